@@ -1,0 +1,240 @@
+"""An LRU whose eviction always makes progress.
+
+vLLM's ``LRUCache`` keeps its eviction order in cachetools' private
+``_LRUCache__order`` and its items in ``_Cache__data``. When the two disagree,
+vLLM's ``popitem`` can pick a key that has no data, remove nothing, and let
+cachetools' ``while currsize + size > maxsize: popitem()`` spin forever.
+
+``FixedLRUMixin`` is put in front of vLLM's own class (see
+:func:`fixed_lru_class`), so everything except ``touch``, ``popitem`` and
+``clear`` stays the installed vLLM's. This module does not import vLLM: it
+works with any ``cachetools.LRUCache`` subclass that has vLLM's ``pinned_items``
+and ``pop`` behaviour, which keeps it testable on its own and on the released
+sources of every vLLM version.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+_NO_VICTIM = object()
+
+# Name of the attribute that marks a class built by this module.
+MARKER = "__mmcache_fix__"
+# On an instance: do not count or report its repairs (the behaviour probe).
+QUIET_ATTR = "_mmcache_fix_quiet"
+# On a fixed class: the vLLM class it was built from.
+BASE_ATTR = "__mmcache_fix_base__"
+
+
+@dataclass
+class RepairStats:
+    """How often this process had to repair a cache whose order and data disagreed."""
+
+    ghost_keys_dropped: int = 0
+    orphans_restored: int = 0
+    touches_ignored: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "ghost_keys_dropped": self.ghost_keys_dropped,
+            "orphans_restored": self.orphans_restored,
+            "touches_ignored": self.touches_ignored,
+        }
+
+    def total(self) -> int:
+        return self.ghost_keys_dropped + self.orphans_restored
+
+
+STATS = RepairStats()
+
+# Called as listener(kind, count, cache) after each repair; set by the plugin to
+# log. Kept as a plain hook so this module needs no logging set-up.
+RepairListener = Callable[[str, int, Any], None]
+_listeners: list[RepairListener] = []
+
+
+def add_repair_listener(listener: RepairListener) -> None:
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_repair_listener(listener: RepairListener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def _record(kind: str, count: int, cache: Any) -> None:
+    if getattr(cache, QUIET_ATTR, False):
+        return
+    with STATS._lock:
+        setattr(STATS, kind, getattr(STATS, kind) + count)
+    for listener in list(_listeners):
+        try:
+            listener(kind, count, cache)
+        except Exception:  # a broken listener must never break eviction
+            pass
+
+
+class FixedLRUMixin:
+    """Overrides for vLLM's ``LRUCache`` that keep order and data in step.
+
+    - ``touch`` never adds a key that holds no data.
+    - ``popitem`` drops order-only keys it meets, restores order entries for
+      data-only keys, and then removes a real item or raises: it never
+      returns without removing something.
+    - ``clear`` always terminates and leaves order and data empty.
+    """
+
+    # Private state of cachetools.Cache / cachetools.LRUCache, reached the way
+    # vLLM itself reaches it. Declared for type checkers only.
+    _Cache__data: dict[Hashable, Any]
+    _LRUCache__order: Any
+    pinned_items: set[Hashable]
+
+    def touch(self, key: Hashable) -> None:
+        order = self._LRUCache__order
+        if key in self._Cache__data:
+            try:
+                order.move_to_end(key)
+            except KeyError:
+                # Data without an order entry: give it one, as most recent.
+                order[key] = None
+                _record("orphans_restored", 1, self)
+        elif key in order:
+            # vLLM <= 0.23 left this behind on an earlier touch of a missing key.
+            order.pop(key, None)
+            _record("ghost_keys_dropped", 1, self)
+        else:
+            # vLLM <= 0.23 would add the key here and create the ghost.
+            STATS.touches_ignored += 1
+
+    def popitem(self, remove_pinned: bool = False) -> tuple[Hashable, Any]:
+        data = self._Cache__data
+        pinned = self.pinned_items
+        ghosts: list[Hashable] | None = None
+        victim: Any = _NO_VICTIM
+        for key in self._LRUCache__order:
+            if key not in data:
+                if ghosts is None:
+                    ghosts = []
+                ghosts.append(key)
+            elif remove_pinned or key not in pinned:
+                victim = key
+                break
+        if ghosts is not None:
+            self._mmfix_drop(ghosts)
+        if victim is _NO_VICTIM and len(self._LRUCache__order) < len(data):
+            victim = self._mmfix_restore_orphans(remove_pinned)
+        if victim is _NO_VICTIM:
+            # Order and data agree now and nothing is evictable: vLLM's own
+            # popitem raises the error it always raised for this case.
+            return super().popitem(remove_pinned=remove_pinned)  # type: ignore[misc]
+        return victim, self.pop(victim)  # type: ignore[attr-defined]
+
+    def clear(self) -> None:
+        data = self._Cache__data
+        # Each call removes one real item, so this runs at most len(data) times.
+        while data:
+            self.popitem(remove_pinned=True)
+        leftovers = list(self._LRUCache__order)
+        if leftovers:
+            self._mmfix_drop(leftovers)
+        # Nothing left to remove: vLLM's clear only resets its statistics now.
+        super().clear()  # type: ignore[misc]
+
+    def _mmfix_drop(self, keys: list[Hashable]) -> None:
+        order = self._LRUCache__order
+        data = self._Cache__data
+        dropped = 0
+        for key in keys:
+            # Re-check: another thread may have inserted the key meanwhile.
+            if key not in data and order.pop(key, _NO_VICTIM) is not _NO_VICTIM:
+                dropped += 1
+        if dropped:
+            _record("ghost_keys_dropped", dropped, self)
+
+    def _mmfix_restore_orphans(self, remove_pinned: bool) -> Any:
+        order = self._LRUCache__order
+        orphans = [key for key in list(self._Cache__data) if key not in order]
+        # Oldest end of the order, keeping their insertion order: they are the
+        # items the cache lost track of, so they go first.
+        for key in reversed(orphans):
+            order[key] = None
+            order.move_to_end(key, last=False)
+        if orphans:
+            _record("orphans_restored", len(orphans), self)
+        pinned = self.pinned_items
+        for key in orphans:
+            if remove_pinned or key not in pinned:
+                return key
+        return _NO_VICTIM
+
+
+_fixed_classes: dict[type, type] = {}
+_fixed_classes_lock = threading.Lock()
+
+
+def fixed_lru_class(base: type) -> type:
+    """Return the fixed subclass of ``base`` (one per base class, built once)."""
+    if getattr(base, MARKER, False):
+        return base
+    with _fixed_classes_lock:
+        cls = _fixed_classes.get(base)
+        if cls is None:
+            cls = type(
+                "Fixed" + base.__name__,
+                (FixedLRUMixin, base),
+                {
+                    MARKER: True,
+                    BASE_ATTR: base,
+                    "__module__": __name__,
+                    "__doc__": base.__doc__,
+                },
+            )
+            _fixed_classes[base] = cls
+        return cls
+
+
+def is_fixed(obj: Any) -> bool:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return bool(getattr(cls, MARKER, False))
+
+
+def upgrade(cache: Any) -> Any:
+    """Turn an existing vLLM ``LRUCache`` instance into its fixed class, in place."""
+    if not is_fixed(cache):
+        cache.__class__ = fixed_lru_class(type(cache))
+    return cache
+
+
+def downgrade(cache: Any) -> Any:
+    """Give an upgraded instance its vLLM class back (used when unpatching)."""
+    base = getattr(type(cache), BASE_ATTR, None)
+    if base is not None and is_fixed(cache):
+        cache.__class__ = base
+    return cache
+
+
+def check_compatible(cache: Any) -> str | None:
+    """Why ``cache`` cannot be fixed, or None when it can.
+
+    The mixin relies on cachetools' private names and on vLLM's pinning API;
+    a cachetools or vLLM that renamed them gets the reason instead of a patch.
+    """
+    for name in ("_Cache__data", "_LRUCache__order"):
+        if not hasattr(cache, name):
+            return f"{type(cache).__name__} has no {name} (cachetools layout changed)"
+    order = cache._LRUCache__order
+    if not (hasattr(order, "move_to_end") and hasattr(order, "pop")):
+        return f"{type(cache).__name__}._LRUCache__order is not an OrderedDict"
+    if not isinstance(getattr(cache, "pinned_items", None), set):
+        return f"{type(cache).__name__} has no pinned_items set (vLLM layout changed)"
+    for name in ("popitem", "pop", "touch", "clear"):
+        if not callable(getattr(cache, name, None)):
+            return f"{type(cache).__name__} has no {name}()"
+    return None
