@@ -80,8 +80,13 @@ _VLLM_MEMBERS: tuple[str, ...] = (
     r"vllm/v1/engine/input_processor\.py",
     r"vllm/entrypoints/openai/serving_engine\.py",
     r"vllm/entrypoints/openai/engine/serving\.py",
+    r"vllm/entrypoints/serve/engine/serving\.py",
+    r"vllm/entrypoints/generate/base/serving\.py",
 )
 _VLLM_MEMBER_RE = re.compile("|".join(f"(?:{p})" for p in _VLLM_MEMBERS))
+# Identifies the extraction rules; a release extracted under other rules is fetched again.
+VLLM_LAYOUT = hashlib.sha256("\n".join(_VLLM_MEMBERS).encode()).hexdigest()[:12]
+WHEEL_LAYOUT = "whole-wheel"
 
 _print_lock = threading.Lock()
 
@@ -104,8 +109,25 @@ def cachetools_dir(version: str, root: Path | None = None) -> Path:
     return (root or cache_root()) / "cachetools" / version
 
 
-def is_complete(directory: Path) -> bool:
-    return (directory / MARKER).is_file()
+def is_complete(directory: Path, layout: str | None = None) -> bool:
+    """Whether ``directory`` holds a finished extraction (made under ``layout``, if given)."""
+    marker = directory / MARKER
+    if not marker.is_file():
+        return False
+    if layout is None:
+        return True
+    try:
+        return read_marker(directory).get("layout") == layout
+    except (OSError, ValueError):
+        return False
+
+
+def vllm_complete(version: str, root: Path | None = None) -> bool:
+    return is_complete(vllm_source_dir(version, root), VLLM_LAYOUT)
+
+
+def cachetools_complete(version: str, root: Path | None = None) -> bool:
+    return is_complete(cachetools_dir(version, root), WHEEL_LAYOUT)
 
 
 def read_marker(directory: Path) -> dict[str, object]:
@@ -180,10 +202,11 @@ def _fetch(
     version: str,
     final_dir: Path,
     select: re.Pattern[str] | None,
+    layout: str,
     force: bool = False,
 ) -> FetchResult:
     start = time.monotonic()
-    if is_complete(final_dir) and not force:
+    if is_complete(final_dir, layout) and not force:
         return FetchResult(name, version, final_dir, True, True, 0.0, "already complete")
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
@@ -198,6 +221,7 @@ def _fetch(
         marker = {
             "package": name,
             "version": version,
+            "layout": layout,
             "wheel": wheel.name,
             "sha256": digest,
             "wheel_size": size,
@@ -211,7 +235,7 @@ def _fetch(
             staged.rename(final_dir)
         except OSError:
             # Another process finished the same release first; keep its copy.
-            if not is_complete(final_dir):
+            if not is_complete(final_dir, layout):
                 raise
         seconds = time.monotonic() - start
         detail = f"{wheel.name} ({size / 1e6:.0f} MB) -> {len(files)} files"
@@ -225,18 +249,20 @@ def _fetch(
 
 def fetch_vllm(version: str, root: Path | None = None, force: bool = False) -> FetchResult:
     """Fetch the relevant files of one vLLM release (no-op when already complete)."""
-    return _fetch("vllm", version, vllm_source_dir(version, root), _VLLM_MEMBER_RE, force)
+    directory = vllm_source_dir(version, root)
+    return _fetch("vllm", version, directory, _VLLM_MEMBER_RE, VLLM_LAYOUT, force)
 
 
 def fetch_cachetools(version: str, root: Path | None = None, force: bool = False) -> FetchResult:
     """Fetch and extract a whole cachetools wheel (no-op when already complete)."""
-    return _fetch("cachetools", version, cachetools_dir(version, root), None, force)
+    directory = cachetools_dir(version, root)
+    return _fetch("cachetools", version, directory, None, WHEEL_LAYOUT, force)
 
 
 def ensure_vllm_sources(version: str, root: Path | None = None) -> Path:
     """Return the source directory of ``version``, fetching it first if needed."""
     directory = vllm_source_dir(version, root)
-    if not is_complete(directory):
+    if not vllm_complete(version, root):
         result = fetch_vllm(version, root)
         if not result.ok:
             raise RuntimeError(f"cannot fetch vllm {version}: {result.detail}")
@@ -246,7 +272,7 @@ def ensure_vllm_sources(version: str, root: Path | None = None) -> Path:
 def ensure_cachetools(version: str, root: Path | None = None) -> Path:
     """Return the extracted cachetools directory of ``version``, fetching it if needed."""
     directory = cachetools_dir(version, root)
-    if not is_complete(directory):
+    if not cachetools_complete(version, root):
         result = fetch_cachetools(version, root)
         if not result.ok:
             raise RuntimeError(f"cannot fetch cachetools {version}: {result.detail}")

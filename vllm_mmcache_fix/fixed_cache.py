@@ -5,9 +5,9 @@ vLLM's ``LRUCache`` keeps its eviction order in cachetools' private
 vLLM's ``popitem`` can pick a key that has no data, remove nothing, and let
 cachetools' ``while currsize + size > maxsize: popitem()`` spin forever.
 
-``FixedLRUMixin`` is put in front of vLLM's own class (see
-:func:`fixed_lru_class`), so everything except ``touch``, ``popitem`` and
-``clear`` stays the installed vLLM's. This module does not import vLLM: it
+``FixedLRUMixin``'s methods are mixed into a direct subclass of vLLM's own
+class (see :func:`fixed_lru_class`), so everything except ``touch``,
+``popitem`` and ``clear`` stays the installed vLLM's. This module does not import vLLM: it
 works with any ``cachetools.LRUCache`` subclass that has vLLM's ``pinned_items``
 and ``pop`` behaviour, which keeps it testable on its own and on the released
 sources of every vLLM version.
@@ -83,6 +83,12 @@ def _record(kind: str, count: int, cache: Any) -> None:
 class FixedLRUMixin:
     """Overrides for vLLM's ``LRUCache`` that keep order and data in step.
 
+    The methods are copied into ``type(name, (vllm_lru,), methods)`` rather
+    than inherited: a second base class would change the instance layout, and
+    CPython then refuses to switch a cache vLLM already built to the fixed
+    class. So the methods reach vLLM's class through ``BASE_ATTR``, not
+    ``super()``.
+
     - ``touch`` never adds a key that holds no data.
     - ``popitem`` drops order-only keys it meets, restores order entries for
       data-only keys, and then removes a real item or raises: it never
@@ -133,7 +139,7 @@ class FixedLRUMixin:
         if victim is _NO_VICTIM:
             # Order and data agree now and nothing is evictable: vLLM's own
             # popitem raises the error it always raised for this case.
-            return super().popitem(remove_pinned=remove_pinned)  # type: ignore[misc]
+            return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
         return victim, self.pop(victim)  # type: ignore[attr-defined]
 
     def clear(self) -> None:
@@ -145,7 +151,7 @@ class FixedLRUMixin:
         if leftovers:
             self._mmfix_drop(leftovers)
         # Nothing left to remove: vLLM's clear only resets its statistics now.
-        super().clear()  # type: ignore[misc]
+        getattr(type(self), BASE_ATTR).clear(self)
 
     def _mmfix_drop(self, keys: list[Hashable]) -> None:
         order = self._LRUCache__order
@@ -175,6 +181,7 @@ class FixedLRUMixin:
         return _NO_VICTIM
 
 
+_MIXED_IN = ("touch", "popitem", "clear", "_mmfix_drop", "_mmfix_restore_orphans")
 _fixed_classes: dict[type, type] = {}
 _fixed_classes_lock = threading.Lock()
 
@@ -186,16 +193,13 @@ def fixed_lru_class(base: type) -> type:
     with _fixed_classes_lock:
         cls = _fixed_classes.get(base)
         if cls is None:
-            cls = type(
-                "Fixed" + base.__name__,
-                (FixedLRUMixin, base),
-                {
-                    MARKER: True,
-                    BASE_ATTR: base,
-                    "__module__": __name__,
-                    "__doc__": base.__doc__,
-                },
+            namespace = {
+                name: value for name, value in FixedLRUMixin.__dict__.items() if name in _MIXED_IN
+            }
+            namespace.update(
+                {MARKER: True, BASE_ATTR: base, "__module__": __name__, "__doc__": base.__doc__}
             )
+            cls = type("Fixed" + base.__name__, (base,), namespace)
             _fixed_classes[base] = cls
         return cls
 

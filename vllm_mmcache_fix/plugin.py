@@ -39,7 +39,8 @@ class PluginState:
 
 _lock = threading.RLock()
 _state = PluginState()
-_fixed_caches: weakref.WeakSet[Any] = weakref.WeakSet()
+# Caches are mappings, hence unhashable: keep plain weak references.
+_fixed_caches: list[weakref.ref[Any]] = []
 _repair_limiter = _log.RateLimiter(REPAIR_LOG_INTERVAL_S)
 
 
@@ -84,8 +85,10 @@ def uninstrument() -> None:
         importhook.remove_hooks()
         registry.revert_all()
         fixed_cache.remove_repair_listener(_on_repair)
-        for cache in list(_fixed_caches):
-            fixed_cache.downgrade(cache)
+        for ref in _fixed_caches:
+            cache = ref()
+            if cache is not None:
+                fixed_cache.downgrade(cache)
         _fixed_caches.clear()
         global _state
         _state = PluginState()
@@ -185,7 +188,8 @@ def _fix_build(cache: Any, capacity_gb: float | None) -> Any:
     fixed_cache.upgrade(cache)
     with _lock:
         _state.caches_fixed += 1
-        _fixed_caches.add(cache)
+        _fixed_caches[:] = [ref for ref in _fixed_caches if ref() is not None]
+        _fixed_caches.append(weakref.ref(cache))
     _log.debug("fixed multimodal cache built (%s GiB)", capacity_gb)
     return cache
 

