@@ -13,11 +13,15 @@ builds the text for humans and :meth:`Diagnosis.as_dict` the data for ``--json``
 
 Rules (thresholds are the module constants below):
 
-* A thread **spins** when, over the interval, it used at least ``SPIN_MIN_CPU_FRACTION`` of
-  one core and made at most ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary
-  context switches (it never waited for anything). Rising nonvoluntary switches are kept
-  as evidence but not required: a spinning thread is only preempted when something else
-  wants its core.
+* A thread **spins** when, over the interval, it made at most
+  ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary context switches (it never
+  waited for anything) and either used at least ``SPIN_MIN_CPU_FRACTION`` of one core or
+  was runnable (on a CPU or waiting for one) at least ``SPIN_MIN_RUNNABLE_FRACTION`` of the
+  time. The second form keeps the rule working on a loaded machine, where a spinning thread
+  only gets its share of a core; runnable time comes from ``/proc/.../schedstat``, or from
+  the share of state samples in ``R`` where schedstat is missing. Rising nonvoluntary
+  switches are kept as evidence but not required: a spinning thread is only preempted when
+  something else wants its core.
 * A thread is **in the mm cache** when a ``py-spy`` stack of it has a ``popitem`` frame and
   a ``__setitem__``, ``clear``, ``remove_oldest`` or ``_remove_old_if_needed`` frame, both
   in a cache file (path containing one of ``CACHE_FILE_MARKERS``). A single stack can land
@@ -108,6 +112,9 @@ ERROR_EXIT_CODE = 1
 
 SPIN_MIN_CPU_FRACTION = 0.8
 """A spinning thread uses at least this much of one core over the interval."""
+
+SPIN_MIN_RUNNABLE_FRACTION = 0.9
+"""...or is runnable (running or waiting for a CPU) at least this share of the interval..."""
 
 SPIN_MAX_VOLUNTARY_PER_SEC = 1.0
 """...and makes at most this many voluntary switches per second (at least 1 is tolerated)."""
@@ -227,6 +234,8 @@ class ThreadReport:
     """State letters seen, in sampling order (``R`` running, ``S`` sleeping, ...)."""
     cpu_seconds: float
     cpu_fraction: float
+    runnable_fraction: float | None
+    """Share of the interval spent running or waiting for a CPU; None when unknown."""
     voluntary_switches: int
     nonvoluntary_switches: int
     syscall: str | None
@@ -253,6 +262,9 @@ class ThreadReport:
             "states": self.states,
             "cpu_seconds": round(self.cpu_seconds, 3),
             "cpu_fraction": round(self.cpu_fraction, 3),
+            "runnable_fraction": None
+            if self.runnable_fraction is None
+            else round(self.runnable_fraction, 3),
             "voluntary_switches": self.voluntary_switches,
             "nonvoluntary_switches": self.nonvoluntary_switches,
             "syscall": self.syscall,
@@ -343,6 +355,7 @@ class Diagnosis:
             "notes": list(self.notes),
             "thresholds": {
                 "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
+                "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
                 "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
                 "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
                 "blocked_states": "".join(sorted(BLOCKED_STATES)),
@@ -424,6 +437,13 @@ def _switches(path: Path) -> tuple[int, int]:
     return voluntary, nonvoluntary
 
 
+def _runnable_ns(text: str | None) -> int | None:
+    fields = (text or "").split()
+    if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
+        return None
+    return int(fields[0]) + int(fields[1])
+
+
 def _syscall_name(text: str | None) -> str | None:
     if text is None:
         return None
@@ -449,6 +469,8 @@ class _ThreadSample:
     nonvoluntary: int
     syscall: str | None = None
     wchan: str | None = None
+    runnable_ns: int | None = None
+    """Time on a CPU plus time waiting for one, from schedstat."""
 
 
 @dataclass
@@ -486,6 +508,7 @@ def _sample_process(proc: Path, pid: int, *, full: bool) -> _ProcessSample:
                 sample.syscall = _syscall_name(_read(base / "syscall", optional=True))
                 wchan = _read(base / "wchan", optional=True)
                 sample.wchan = wchan.strip() if wchan else None
+                sample.runnable_ns = _runnable_ns(_read(base / "schedstat", optional=True))
         except _Gone:
             continue  # the thread ended while being read
         threads[tid] = sample
@@ -540,9 +563,17 @@ def is_engine_core(comm: str, cmdline: str) -> bool:
 # --------------------------------------------------------------------------- classification
 
 
-def thread_is_spinning(cpu_fraction: float, voluntary_switches: int, seconds: float) -> bool:
-    allowed = max(1.0, SPIN_MAX_VOLUNTARY_PER_SEC * seconds)
-    return cpu_fraction >= SPIN_MIN_CPU_FRACTION and voluntary_switches <= allowed
+def thread_is_spinning(
+    cpu_fraction: float,
+    runnable_fraction: float | None,
+    voluntary_switches: int,
+    seconds: float,
+) -> bool:
+    if voluntary_switches > max(1.0, SPIN_MAX_VOLUNTARY_PER_SEC * seconds):
+        return False
+    if cpu_fraction >= SPIN_MIN_CPU_FRACTION:
+        return True
+    return runnable_fraction is not None and runnable_fraction >= SPIN_MIN_RUNNABLE_FRACTION
 
 
 def thread_is_blocked(states: str) -> bool:
@@ -593,7 +624,12 @@ def classify_process(
 
 def _thread_brief(t: ThreadReport, *, cpu: bool = True) -> str:
     text = f"{t.tid} {t.label!r}"
-    return f"{text} at {t.cpu_fraction:.0%} CPU" if cpu else text
+    if not cpu:
+        return text
+    text += f" at {t.cpu_fraction:.0%} CPU"
+    if t.runnable_fraction is not None and t.cpu_fraction < SPIN_MIN_CPU_FRACTION:
+        text += f" (runnable {t.runnable_fraction:.0%} of the time)"
+    return text
 
 
 def _stack_brief(stack: Sequence[str]) -> str:
@@ -620,8 +656,11 @@ def find_py_spy() -> str | None:
     if scripts:
         candidates.append(Path(scripts) / "py-spy")
     for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
+        try:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+        except OSError:  # a directory this user may not enter
+            continue
     return shutil.which("py-spy")
 
 
@@ -698,11 +737,13 @@ def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str]:
     return done.stdout, ""
 
 
-def check_stacks(exe: str, pid: int, hot: Sequence[ThreadReport]) -> StackCheck:
-    """Dump ``pid`` until every hot Python thread is seen in the cache loop (or give up).
+def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCheck:
+    """Dump ``pid`` until every spinning Python thread is seen in the cache loop (or give up).
 
-    Fills ``python_name``, ``stack`` and ``in_mm_cache`` of the hot threads in place.
+    Fills ``python_name`` of all ``threads``, and ``stack`` and ``in_mm_cache`` of the
+    spinning ones, in place.
     """
+    hot = [t for t in threads if t.spinning]
     pending = {t.tid: t for t in hot}
     check = StackCheck(status="failed")
     deadline = time.monotonic() + PY_SPY_BUDGET
@@ -718,6 +759,10 @@ def check_stacks(exe: str, pid: int, hot: Sequence[ThreadReport]) -> StackCheck:
         check.detail = ""
         check.text = text
         seen = {d.tid: d for d in parse_py_spy_dump(text) if d.tid is not None}
+        for report in threads:
+            dumped = seen.get(report.tid)
+            if dumped is not None and dumped.name:
+                report.python_name = dumped.name
         for tid, report in list(pending.items()):
             dumped = seen.get(tid)
             if dumped is None:
@@ -726,7 +771,6 @@ def check_stacks(exe: str, pid: int, hot: Sequence[ThreadReport]) -> StackCheck:
                 report.stack = None
                 del pending[tid]
                 continue
-            report.python_name = dumped.name or report.python_name
             report.stack = dumped.lines()
             report.in_mm_cache = stack_in_mm_cache((f, p) for f, p, _ in dumped.frames)
             if report.in_mm_cache:
@@ -840,13 +884,21 @@ def diagnose(
             ticks = end.ticks - (0 if start is None else start.ticks)
             total_ticks += ticks
             cpu = ticks / tick
+            seen = states.get((member, tid), []) + [end.state]
+            if start is not None and start.runnable_ns is not None and end.runnable_ns is not None:
+                runnable: float | None = (end.runnable_ns - start.runnable_ns) / 1e9 / seconds
+            elif len(seen) >= 2:
+                runnable = seen.count("R") / len(seen)
+            else:
+                runnable = None
             thread = ThreadReport(
                 tid=tid,
                 name=end.comm,
                 python_name=None,
-                states="".join(states.get((member, tid), []) + [end.state]),
+                states="".join(seen),
                 cpu_seconds=cpu,
                 cpu_fraction=cpu / seconds,
+                runnable_fraction=None if new else runnable,
                 voluntary_switches=end.voluntary - (0 if start is None else start.voluntary),
                 nonvoluntary_switches=end.nonvoluntary
                 - (0 if start is None else start.nonvoluntary),
@@ -855,7 +907,7 @@ def diagnose(
                 new=new,
             )
             thread.spinning = not new and thread_is_spinning(
-                thread.cpu_fraction, thread.voluntary_switches, seconds
+                thread.cpu_fraction, thread.runnable_fraction, thread.voluntary_switches, seconds
             )
             thread.blocked = not new and thread_is_blocked(thread.states)
             threads.append(thread)
@@ -908,8 +960,7 @@ def _check_hot_stacks(
             return f"{exe}: not needed, no spinning thread"
         else:
             for report in hot_reports:
-                hot = [t for t in report.threads if t.spinning]
-                report.stack_check = check_stacks(exe, report.pid, hot)
+                report.stack_check = check_stacks(exe, report.pid, report.threads)
                 if report.stack_check.status != "checked":
                     notes.append(f"PID {report.pid}: {report.stack_check.detail}")
             return f"{exe} dump --nonblocking"
@@ -956,6 +1007,7 @@ def render(d: Diagnosis) -> str:
             mark = "SPIN" if t.spinning else ("BLOCKED" if t.blocked else "")
             lines.append(
                 f"  {mark:7} TID {t.tid:<7} {t.label[:24]:24} cpu {t.cpu_fraction:4.0%} "
+                f"runnable {_percent(t.runnable_fraction):>4} "
                 f"vol +{t.voluntary_switches:<5} nonvol +{t.nonvoluntary_switches:<6} "
                 f"states {_squeeze(t.states):8} syscall {t.syscall or '?'}"
                 + (f" wchan {t.wchan}" if t.wchan and t.wchan != "0" else "")
@@ -974,6 +1026,10 @@ def render(d: Diagnosis) -> str:
         lines.append(f"note: {note}")
     lines.append(f"What to do: {d.remedy}")
     return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0%}"
 
 
 def _squeeze(states: str) -> str:
