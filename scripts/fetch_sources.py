@@ -350,10 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [r for r in results if not r.ok]
     fetched = sum(1 for r in results if r.ok and not r.skipped)
     skipped = sum(1 for r in results if r.skipped)
-    disk = _dir_size(root) if root.exists() else 0
+    parts = [root / "sources", root / "cachetools"]
+    disk = sum(_dir_size(p) for p in parts if p.exists())
     _log(
         f"done in {elapsed:.1f}s: {fetched} fetched, {skipped} already complete, "
-        f"{len(failed)} failed; {root} holds {disk / 1e6:.1f} MB"
+        f"{len(failed)} failed; {root}/{{sources,cachetools}} hold {disk / 1e6:.1f} MB"
     )
     return 1 if failed else 0
 

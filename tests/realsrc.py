@@ -292,7 +292,7 @@ def extract_definitions(path: Path, roots: Iterable[str]) -> str:
             start, end = _statement_span(node)
             for index in range(start - 1, end):
                 keep[index] = True
-    return "\n".join(line if k else "" for line, k in zip(lines, keep, strict=True)) + "\n"
+    return "\n".join(line if k else "" for line, k in zip(lines, keep)) + "\n"
 
 
 def _check_standalone_imports(path: Path, tree: ast.Module) -> None:
@@ -378,22 +378,17 @@ del _ct
 """
 
 
-def run_snippet(
+def snippet_command(
     code: str,
     cachetools_version: str | None = None,
     *,
-    timeout: float = 60.0,
     extra_path: Sequence[Path | str] = (),
     env: Mapping[str, str] | None = None,
     args: Sequence[str] = (),
-) -> SnippetResult:
-    """Run ``code`` in a fresh interpreter, optionally pinned to a cachetools release.
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment)`` running ``code`` in a fresh interpreter (see :func:`run_snippet`).
 
-    ``PYTHONPATH`` is the extracted cachetools wheel (if a version is given), then
-    ``extra_path``, then this tests directory (so the snippet can ``import realsrc``), then
-    the project root. When a cachetools version is given, the snippet first asserts that it
-    imports exactly that version. A snippet that runs past ``timeout`` is killed and reported
-    with ``timed_out=True``.
+    Useful with :class:`subprocess.Popen` when a test needs to watch a child that never ends.
     """
     paths: list[str] = []
     if cachetools_version is not None:
@@ -408,7 +403,29 @@ def run_snippet(
     body = textwrap.dedent(code)
     if cachetools_version is not None:
         body = _PREAMBLE.format(version=cachetools_version) + body
-    cmd = [sys.executable, "-s", "-c", body, *args]
+    return [sys.executable, "-s", "-c", body, *args], child_env
+
+
+def run_snippet(
+    code: str,
+    cachetools_version: str | None = None,
+    *,
+    timeout: float = 60.0,
+    extra_path: Sequence[Path | str] = (),
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> SnippetResult:
+    """Run ``code`` in a fresh interpreter, optionally pinned to a cachetools release.
+
+    ``PYTHONPATH`` is the extracted cachetools wheel (if a version is given), then
+    ``extra_path``, then this tests directory (so the snippet can ``import realsrc``), then
+    the project root. When a cachetools version is given, the snippet first checks that it
+    imports exactly that version. A snippet that runs past ``timeout`` is killed and reported
+    with ``timed_out=True``.
+    """
+    cmd, child_env = snippet_command(
+        code, cachetools_version, extra_path=extra_path, env=env, args=args
+    )
     start = time.monotonic()
     try:
         proc = subprocess.run(
