@@ -37,6 +37,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import re
 import symtable
 import sys
 import textwrap
@@ -193,28 +194,53 @@ def _strip_annotations(func: ast.FunctionDef, edits: _Edits) -> None:
             edits.replace_span(start, end, " = ")
 
 
+def _is_base_lookup(node: ast.AST) -> bool:
+    """``getattr(type(self), BASE_ATTR)``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) == 2
+        and ast.unparse(node.args[0]) == "type(self)"
+        and isinstance(node.args[1], ast.Name)
+        and node.args[1].id == "BASE_ATTR"
+    )
+
+
+def _docstring(mixin_doc: str) -> str:
+    """The mixin's summary line and its bullet list (how the plugin builds classes is left out)."""
+    paragraphs = inspect.cleandoc(mixin_doc).split("\n\n")
+    kept = [paragraphs[0]] + [p for p in paragraphs[1:] if p.startswith("- ")]
+    body = "\n\n".join(kept)
+    return '    """' + textwrap.indent(body, "    ").lstrip() + '\n    """\n'
+
+
+def _is_record_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and (node.func.id == "_record")
+    )
+
+
 def _rewrite_method(func: ast.FunctionDef, edits: _Edits) -> None:
     _strip_annotations(func, edits)
     for node in ast.walk(func):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id == "_record":
-                # _record(kind, count, self) -> self._mmcache_fix_report(kind, count)
-                if len(node.args) != 3 or not (
-                    isinstance(node.args[2], ast.Name) and node.args[2].id == "self"
-                ):
-                    raise ValueError(f"line {node.lineno}: unexpected _record call")
-                kind = ast.get_source_segment(edits.text, node.args[0])
-                count = ast.get_source_segment(edits.text, node.args[1])
-                edits.replace_node(node, f"self.{REPORT_METHOD}({kind}, {count})")
-        elif isinstance(node, ast.AugAssign):
-            target = node.target
-            if (
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "STATS"
-            ):
-                # Counters without a repair (ignored touches) have no log line.
-                edits.replace_node(node, "pass")
+        if _is_record_call(node):
+            assert isinstance(node, ast.Call)
+            # _record(kind, count, self) -> self._mmcache_fix_report(kind, count)
+            if len(node.args) != 3 or ast.unparse(node.args[2]) != "self":
+                raise ValueError(f"line {node.lineno}: unexpected _record call")
+            kind = ast.get_source_segment(edits.text, node.args[0])
+            count = ast.get_source_segment(edits.text, node.args[1])
+            edits.replace_node(node, f"self.{REPORT_METHOD}({kind}, {count})")
+        elif isinstance(node, ast.AugAssign) and ast.unparse(node.target).startswith("STATS."):
+            # Counters without a repair (ignored touches) have no log line.
+            edits.replace_node(node, "pass")
+        elif _is_base_lookup(node):
+            # The plugin copies these methods into a subclass of vLLM's class and reaches
+            # that class through BASE_ATTR; here the class is a plain subclass of LRUCache.
+            edits.replace_node(node, "LRUCache")
         elif isinstance(node, ast.Name) and node.id == "_NO_VICTIM":
             edits.replace_node(node, SENTINEL_NAME)
 
@@ -228,13 +254,15 @@ def render_fixed_class() -> str:
     cls = tree.body[0]
     assert isinstance(cls, ast.ClassDef) and cls.name == "FixedLRUMixin"
     edits = _Edits(source)
-    header_end = edits.offset(cls.body[0].lineno, 0)
-    edits.replace_span(0, header_end, f"class {CLASS_NAME}(LRUCache):\n")
-
     body = list(cls.body)
     docstring = body.pop(0)
     if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
         raise ValueError("FixedLRUMixin must start with a docstring")
+    edits.replace_span(
+        0,
+        edits.offset(docstring.end_lineno + 1, 0),  # type: ignore[operator]
+        f"class {CLASS_NAME}(LRUCache):\n" + _docstring(docstring.value.value),
+    )
     # Only methods are carried over. Type declarations for checkers (``_Cache__data: ...``)
     # and ``__slots__`` (which matters only for switching instances' class in place) are
     # dropped with their comments; in their place go the marker the plugin recognises and
@@ -259,13 +287,15 @@ def render_fixed_class() -> str:
         [m.lineno for m in methods] + [d.lineno for m in methods for d in m.decorator_list]
     )
     edits.replace_span(
-        edits.offset(docstring.end_lineno, docstring.end_col_offset) + 1,  # type: ignore[arg-type]
+        edits.offset(docstring.end_lineno + 1, 0),  # type: ignore[operator]
         edits.offset(first_method_line, 0),
         attrs,
     )
     for method in methods:
         _rewrite_method(method, edits)
     class_text = edits.apply().rstrip("\n") + "\n"
+    # The mixin's "type: ignore" comments are about mixing in; a subclass needs none.
+    class_text = re.sub(r"  # type: ignore\[[a-z-]+\]$", "", class_text, flags=re.MULTILINE)
     class_text += "\n" + textwrap.indent(_REPORT_SOURCE.strip("\n"), "    ") + "\n"
     text = f"{SENTINEL_NAME} = object()\n\n\n{class_text}"
     _check_free_names(text)
@@ -420,7 +450,8 @@ def _preamble(versions: Sequence[str], target: str) -> str:
         "removes an item or raises, so a key left in the LRU order without data can no\n"
         "longer freeze the engine.\n"
         "Apply from the directory containing vllm/ (site-packages or a vLLM checkout):\n"
-        "  patch -p1 --forward < THIS_FILE    or    git apply THIS_FILE\n"
+        "  patch -p1 --forward --no-backup-if-mismatch < THIS_FILE\n"
+        "  or: git apply THIS_FILE\n"
         "Releases (the target file's sha256 for each is in index.json):\n"
         + "\n".join(wrapped)
         + "\n\n"
@@ -489,7 +520,10 @@ def build(versions: Sequence[str], roots: dict[str, Path]) -> dict[str, bytes]:
             f"vllm-<first>_<last>-{FIX_ID}.diff covers the consecutive releases listed in "
             "'versions', each patched by it to exactly its own expected file"
         ),
-        "apply": "in the directory holding vllm/: patch -p1 --forward -i FILE, or git apply FILE",
+        "apply": (
+            "in the directory holding vllm/: "
+            "patch -p1 --forward --no-backup-if-mismatch -i FILE, or git apply FILE"
+        ),
         "patches": entries,
     }
     files[INDEX_NAME] = (json.dumps(index, indent=2) + "\n").encode()

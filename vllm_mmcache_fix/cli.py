@@ -1,4 +1,4 @@
-"""Command line: ``vllm-mmcache-fix check | diagnose``.
+"""Command line: ``vllm-mmcache-fix check | diagnose | patch``.
 
 The only module that prints.
 """
@@ -113,10 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dump")
     diag.add_argument("--json", action="store_true", help="machine-readable output")
     diag.set_defaults(func=cmd_diagnose)
+    # Parsed by source_patch itself (see main); listed here for --help.
+    sub.add_parser(
+        "patch",
+        help="apply/check/revert the source patch on the installed vLLM, for images "
+        "where plugins are filtered out (`patch --help` for its options)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["patch"]:
+        from . import source_patch
+
+        return source_patch.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args))

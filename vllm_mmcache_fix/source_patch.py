@@ -547,7 +547,8 @@ def _change(
     return _outcome(
         resolved,
         EXIT_OK,
-        f"vLLM {resolved.version}: {verb} {resolved.entry.file} to {_where(resolved)} with {how}",
+        f"vLLM {resolved.version}: {verb} {resolved.entry.file} "
+        f"({'from' if reverse else 'to'} {_where(resolved)}) with {how}",
     )
 
 
