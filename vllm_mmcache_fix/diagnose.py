@@ -18,8 +18,9 @@ Rules (thresholds are the module constants below):
   waited for anything) and either used at least ``SPIN_MIN_CPU_FRACTION`` of one core or
   was runnable (on a CPU or waiting for one) at least ``SPIN_MIN_RUNNABLE_FRACTION`` of the
   time. The second form keeps the rule working on a loaded machine, where a spinning thread
-  only gets its share of a core; runnable time comes from ``/proc/.../schedstat``, or from
-  the share of state samples in ``R`` where schedstat is missing. Rising nonvoluntary
+  only gets its share of a core. The runnable share is the larger of two estimates: time
+  running plus time queued from ``/proc/.../schedstat`` (which books a wait only once it
+  ends), and the share of state samples that found the thread in ``R``. Rising nonvoluntary
   switches are kept as evidence but not required: a spinning thread is only preempted when
   something else wants its core.
 * A thread is **in the mm cache** when a ``py-spy`` stack of it has a ``popitem`` frame and
@@ -97,8 +98,8 @@ SEVERITY: tuple[Classification, ...] = (
     C.EXITED,
 )
 
-# Exit status of ``vllm-mmcache-fix diagnose`` per overall class. 1 is for errors
-# (DiagnoseError), 2 for command-line usage errors.
+# Exit status of ``vllm-mmcache-fix diagnose`` per overall class. EXIT_ERROR is for
+# DiagnoseError; 2 is left to command-line usage errors.
 EXIT_CODES: dict[Classification, int] = {
     C.IDLE: 0,
     C.ACTIVE: 0,
@@ -108,7 +109,7 @@ EXIT_CODES: dict[Classification, int] = {
     C.BLOCKED: 6,
     C.EXITED: 7,
 }
-ERROR_EXIT_CODE = 1
+EXIT_ERROR = 1
 
 SPIN_MIN_CPU_FRACTION = 0.8
 """A spinning thread uses at least this much of one core over the interval."""
@@ -157,8 +158,8 @@ REMEDIES: dict[Classification, str] = {
     ),
     C.SPINNING: (
         "A thread spins without ever blocking: the signature of the multimodal processor "
-        "cache eviction hang, but its stack was not checked. Install py-spy (pip install "
-        "py-spy) and run again as root or the server's user to confirm. If it is that hang: "
+        "cache eviction hang, but its stack was not checked. To confirm, run again with py-spy "
+        "installed (pip install py-spy) as root or as the server's user. If it is that hang: "
         "restart the server, and prevent it with pip install vllm-mmcache-fix or "
         "--mm-processor-cache-gb 0 (see `vllm-mmcache-fix check`)."
     ),
@@ -177,7 +178,10 @@ REMEDIES: dict[Classification, str] = {
         "The processes are idle. If clients are waiting, their requests are not reaching "
         "these processes."
     ),
-    C.EXITED: "The process exited during the sample.",
+    C.EXITED: (
+        "The process exited during the sample. If it was the server or its EngineCore, "
+        "check the server's log for why."
+    ),
 }
 
 # A few syscall numbers worth naming in the evidence.
@@ -341,7 +345,7 @@ class Diagnosis:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES[self.classification]
+        return exit_code(self)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -364,6 +368,11 @@ class Diagnosis:
         }
 
 
+def exit_code(d: Diagnosis) -> int:
+    """The command's exit status for a diagnosis (see ``EXIT_CODES``)."""
+    return EXIT_CODES[d.classification]
+
+
 # --------------------------------------------------------------------------- /proc reading
 
 
@@ -374,6 +383,12 @@ class _Gone(Exception):
 _GONE_ERRNOS = (errno.ENOENT, errno.ESRCH)
 
 
+def _denied(path: Path) -> DiagnoseError:
+    return DiagnoseError(
+        f"cannot read {path}: permission denied; run as the user that runs vLLM, or as root"
+    )
+
+
 def _read(path: Path, *, optional: bool = False) -> str | None:
     """Text of a /proc file. Missing -> _Gone; unreadable -> DiagnoseError (or None)."""
     try:
@@ -382,9 +397,7 @@ def _read(path: Path, *, optional: bool = False) -> str | None:
     except PermissionError as exc:
         if optional:
             return None
-        raise DiagnoseError(
-            f"cannot read {path}: permission denied; run as the user that runs vLLM, or as root"
-        ) from exc
+        raise _denied(path) from exc
     except OSError as exc:
         if exc.errno in _GONE_ERRNOS:
             raise _Gone(str(path)) from exc
@@ -486,7 +499,7 @@ def _tids(proc: Path, pid: int) -> list[int]:
     try:
         names = os.listdir(task)
     except PermissionError as exc:
-        raise DiagnoseError(f"cannot read {task}: permission denied") from exc
+        raise _denied(task) from exc
     except OSError as exc:
         if exc.errno in _GONE_ERRNOS:
             raise _Gone(str(task)) from exc
@@ -519,7 +532,13 @@ def _sample_process(proc: Path, pid: int, *, full: bool) -> _ProcessSample:
 
 def _all_ppids(proc: Path) -> dict[int, int]:
     ppids: dict[int, int] = {}
-    for name in os.listdir(proc):
+    try:
+        names = os.listdir(proc)
+    except PermissionError as exc:
+        raise _denied(proc) from exc
+    except OSError as exc:
+        raise DiagnoseError(f"cannot read {proc}: {exc.strerror or exc}") from exc
+    for name in names:
         if not name.isdigit():
             continue
         try:
@@ -600,7 +619,10 @@ def classify_process(
     if spinning:
         hot = ", ".join(_thread_brief(t) for t in spinning)
         if not stack_checked:
-            return C.SPINNING, f"spinning thread(s) {hot}; stack not checked"
+            return C.SPINNING, (
+                f"spinning thread(s) {hot}; stack not checked: this matches the mm cache "
+                "hang's signature"
+            )
         in_cache = [t for t in spinning if t.in_mm_cache]
         if in_cache:
             where = _stack_brief(in_cache[0].stack or [])
@@ -704,18 +726,15 @@ def parse_py_spy_dump(text: str) -> list[_DumpThread]:
     return threads
 
 
-def _py_spy_failure(detail: str) -> str:
-    low = detail.lower()
-    if "permission" in low or "operation not permitted" in low or "ptrace" in low:
-        return (
-            f"{detail} (py-spy needs ptrace permission: run as root or the server's user; "
-            "in a container add CAP_SYS_PTRACE)"
-        )
-    return detail
+_DENIED = re.compile(r"permission denied|operation not permitted|ptrace", re.IGNORECASE)
+PTRACE_DENIED = (
+    "py-spy was denied access to the process (it needs ptrace permission: run as root or as "
+    "the server's user; in a container add CAP_SYS_PTRACE)"
+)
 
 
-def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str]:
-    """(dump text or None, error)."""
+def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str, bool]:
+    """(dump text or None, error, whether trying again is pointless)."""
     cmd = [exe, "dump", "--nonblocking", "--full-filenames", "--pid", str(pid)]
     try:
         done = subprocess.run(
@@ -727,14 +746,16 @@ def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str]:
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return None, f"py-spy dump timed out after {PY_SPY_TIMEOUT:.0f} s"
+        return None, f"py-spy dump timed out after {PY_SPY_TIMEOUT:.0f} s", False
     except OSError as exc:
-        return None, _py_spy_failure(f"py-spy could not run: {exc}")
+        return None, f"py-spy could not run: {exc}", True
     if done.returncode != 0:
         lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
         first = lines[0].strip() if lines else f"exit status {done.returncode}"
-        return None, _py_spy_failure(f"py-spy dump failed: {first}")
-    return done.stdout, ""
+        if _DENIED.search(first):
+            return None, PTRACE_DENIED, True
+        return None, f"py-spy dump failed: {first}", False
+    return done.stdout, "", False
 
 
 def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCheck:
@@ -749,10 +770,11 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
     deadline = time.monotonic() + PY_SPY_BUDGET
     while check.dumps < PY_SPY_MAX_DUMPS and time.monotonic() < deadline:
         check.dumps += 1
-        text, error = _run_py_spy(exe, pid)
+        text, error, fatal = _run_py_spy(exe, pid)
         if text is None:
-            check.detail = error
-            if "permission" in error.lower() or "could not run" in error:
+            if check.status != "checked":
+                check.detail = error
+            if fatal:
                 break
             continue
         check.status = "checked"
@@ -808,127 +830,28 @@ def diagnose(
     proc = Path(proc_root)
     if not (proc / str(pid)).is_dir():
         raise DiagnoseError(f"no process with PID {pid}")
-    try:
-        _read(proc / str(pid) / "stat")
-    except _Gone:
-        raise DiagnoseError(f"no process with PID {pid}") from None
 
-    notes: list[str] = []
-    pids = process_tree(pid, proc_root=proc)
-    tick = float(os.sysconf("SC_CLK_TCK"))
-
-    first: dict[int, _ProcessSample] = {}
-    meta: dict[int, tuple[int, str, str]] = {}
-    for member in pids:
-        try:
-            stat = _read_stat(proc / str(member) / "stat")
-            first[member] = _sample_process(proc, member, full=True)
-        except _Gone:
-            if member == pid:
-                raise DiagnoseError(f"no process with PID {pid}") from None
-            continue
-        meta[member] = (stat.ppid, stat.comm, _cmdline(proc, member))
-
-    states: dict[tuple[int, int], list[str]] = {
-        (member, tid): [t.state]
-        for member, sample in first.items()
-        for tid, t in sample.threads.items()
-    }
-    started = min(s.time for s in first.values())
-    end_at = started + interval
-    while True:
-        now = time.monotonic()
-        if now >= end_at:
-            break
-        time.sleep(min(STATE_SAMPLE_PERIOD, end_at - now))
-        if time.monotonic() >= end_at:
-            break
-        for member, sample in first.items():
-            try:
-                mid = _sample_process(proc, member, full=False)
-            except _Gone:
-                continue
-            if mid.starttime != sample.starttime:
-                continue
-            for tid, t in mid.threads.items():
-                states.setdefault((member, tid), []).append(t.state)
-
-    reports: list[ProcessReport] = []
-    for member, before in first.items():
-        ppid, comm, cmdline = meta[member]
-        role = (
-            "EngineCore"
-            if is_engine_core(comm, cmdline)
-            else ("target" if member == pid else "descendant")
-        )
-        report = ProcessReport(member, ppid, role, comm, cmdline, C.EXITED, "", 0.0)
-        reports.append(report)
-        try:
-            after = _sample_process(proc, member, full=True)
-            end_state = _read_stat(proc / str(member) / "stat").state
-        except _Gone:
-            report.reason = "exited during the sample"
-            continue
-        if after.starttime != before.starttime:
-            report.reason = "exited during the sample (PID reused)"
-            continue
-        if end_state in ("Z", "X"):
-            report.reason = "exited: a zombie not yet reaped by its parent"
-            continue
-        seconds = max(after.time - before.time, 1e-6)
-        threads: list[ThreadReport] = []
-        total_ticks = 0
-        for tid, end in after.threads.items():
-            start = before.threads.get(tid)
-            new = start is None
-            ticks = end.ticks - (0 if start is None else start.ticks)
-            total_ticks += ticks
-            cpu = ticks / tick
-            seen = states.get((member, tid), []) + [end.state]
-            if start is not None and start.runnable_ns is not None and end.runnable_ns is not None:
-                runnable: float | None = (end.runnable_ns - start.runnable_ns) / 1e9 / seconds
-            elif len(seen) >= 2:
-                runnable = seen.count("R") / len(seen)
-            else:
-                runnable = None
-            thread = ThreadReport(
-                tid=tid,
-                name=end.comm,
-                python_name=None,
-                states="".join(seen),
-                cpu_seconds=cpu,
-                cpu_fraction=cpu / seconds,
-                runnable_fraction=None if new else runnable,
-                voluntary_switches=end.voluntary - (0 if start is None else start.voluntary),
-                nonvoluntary_switches=end.nonvoluntary
-                - (0 if start is None else start.nonvoluntary),
-                syscall=end.syscall,
-                wchan=end.wchan,
-                new=new,
-            )
-            thread.spinning = not new and thread_is_spinning(
-                thread.cpu_fraction, thread.runnable_fraction, thread.voluntary_switches, seconds
-            )
-            thread.blocked = not new and thread_is_blocked(thread.states)
-            threads.append(thread)
-        report.threads = sorted(threads, key=lambda t: (-t.cpu_seconds, t.tid))
-        report.cpu_fraction = total_ticks / tick / seconds
-
+    first = _first_samples(proc, pid)
+    started = min(sample.time for sample, _ in first.values())
+    states = _watch_states(proc, first, started + interval)
+    reports = [
+        _process_report(proc, member, before, meta, states, pid)
+        for member, (before, meta) in first.items()
+    ]
     wall = time.monotonic() - started
-
-    py_spy_summary = _check_hot_stacks(reports, use_py_spy, proc, notes)
-
+    py_spy = _check_hot_stacks(reports, use_py_spy, proc)
     for report in reports:
-        if report.reason:  # exited
-            continue
-        checked = report.stack_check is not None and report.stack_check.status == "checked"
-        report.classification, report.reason = classify_process(
-            report.threads, report.cpu_fraction, checked
-        )
-        if report.classification is C.SPINNING and report.stack_check is not None:
-            detail = report.stack_check.detail or report.stack_check.status
-            report.reason += f" ({detail}); this matches the mm cache hang's signature"
+        if report.classification is not C.EXITED:
+            checked = report.stack_check is not None and report.stack_check.status == "checked"
+            report.classification, report.reason = classify_process(
+                report.threads, report.cpu_fraction, checked
+            )
 
+    notes = [
+        f"PID {r.pid}: {r.stack_check.detail}"
+        for r in reports
+        if r.stack_check is not None and r.stack_check.status == "failed"
+    ]
     if not any(r.role == "EngineCore" for r in reports):
         notes.append(f"no EngineCore process among PID {pid} and its descendants")
     whole = overall(r.classification for r in reports)
@@ -938,36 +861,158 @@ def diagnose(
         classification=whole,
         summary=_summary(whole, reports),
         remedy=REMEDIES[whole],
-        py_spy=py_spy_summary,
+        py_spy=py_spy,
         processes=reports,
         notes=notes,
     )
 
 
-def _check_hot_stacks(
-    reports: Sequence[ProcessReport], use_py_spy: bool, proc: Path, notes: list[str]
-) -> str:
-    hot_reports = [r for r in reports if not r.reason and any(t.spinning for t in r.threads)]
+@dataclass
+class _Meta:
+    ppid: int
+    comm: str
+    cmdline: str
+
+
+def _first_samples(proc: Path, pid: int) -> dict[int, tuple[_ProcessSample, _Meta]]:
+    first: dict[int, tuple[_ProcessSample, _Meta]] = {}
+    for member in process_tree(pid, proc_root=proc):
+        try:
+            stat = _read_stat(proc / str(member) / "stat")
+            sample = _sample_process(proc, member, full=True)
+        except _Gone:
+            if member == pid:
+                raise DiagnoseError(f"no process with PID {pid}") from None
+            continue  # a descendant that just ended
+        first[member] = (sample, _Meta(stat.ppid, stat.comm, _cmdline(proc, member)))
+    return first
+
+
+def _watch_states(
+    proc: Path, first: dict[int, tuple[_ProcessSample, _Meta]], end_at: float
+) -> dict[tuple[int, int], list[str]]:
+    """State letters of every thread, sampled until ``end_at`` (the first sample included)."""
+    states: dict[tuple[int, int], list[str]] = {}
+    for member, (sample, _) in first.items():
+        for tid, thread in sample.threads.items():
+            states[(member, tid)] = [thread.state]
+    while True:
+        remaining = end_at - time.monotonic()
+        if remaining <= 0:
+            return states
+        time.sleep(min(STATE_SAMPLE_PERIOD, remaining))
+        if time.monotonic() >= end_at:
+            return states
+        for member, (sample, _) in first.items():
+            try:
+                now = _sample_process(proc, member, full=False)
+            except _Gone:
+                continue
+            if now.starttime == sample.starttime:
+                for tid, thread in now.threads.items():
+                    states.setdefault((member, tid), []).append(thread.state)
+
+
+def _process_report(
+    proc: Path,
+    member: int,
+    before: _ProcessSample,
+    meta: _Meta,
+    states: dict[tuple[int, int], list[str]],
+    target: int,
+) -> ProcessReport:
+    if is_engine_core(meta.comm, meta.cmdline):
+        role = "EngineCore"
+    else:
+        role = "target" if member == target else "descendant"
+    report = ProcessReport(member, meta.ppid, role, meta.comm, meta.cmdline, C.EXITED, "", 0.0)
+    try:
+        after = _sample_process(proc, member, full=True)
+        end_state = _read_stat(proc / str(member) / "stat").state
+    except _Gone:
+        report.reason = "exited during the sample"
+        return report
+    if after.starttime != before.starttime:
+        report.reason = "exited during the sample (its PID is now another process's)"
+        return report
+    if end_state in ("Z", "X"):
+        report.reason = "exited: a zombie not yet reaped by its parent"
+        return report
+    seconds = max(after.time - before.time, 1e-6)
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    threads = [
+        _thread_report(before.threads.get(tid), end, states.get((member, tid), []), seconds, tick)
+        for tid, end in after.threads.items()
+    ]
+    report.threads = sorted(threads, key=lambda t: (-t.cpu_seconds, t.tid))
+    report.cpu_fraction = sum(t.cpu_seconds for t in threads) / seconds
+    report.classification = C.IDLE  # placeholder until the stacks are checked
+    return report
+
+
+def _thread_report(
+    start: _ThreadSample | None,
+    end: _ThreadSample,
+    seen: list[str],
+    seconds: float,
+    tick: float,
+) -> ThreadReport:
+    seen = seen + [end.state]
+    cpu = (end.ticks - (start.ticks if start else 0)) / tick
+    # schedstat counts a wait for a CPU only once it ends, so a thread still queued at the
+    # end of a loaded interval looks less runnable than it was: take the larger estimate.
+    estimates: list[float] = []
+    if start is not None:
+        if start.runnable_ns is not None and end.runnable_ns is not None:
+            estimates.append((end.runnable_ns - start.runnable_ns) / 1e9 / seconds)
+        if len(seen) >= 2:
+            estimates.append(seen.count("R") / len(seen))
+    runnable = min(1.0, max(estimates)) if estimates else None
+    thread = ThreadReport(
+        tid=end.tid,
+        name=end.comm,
+        python_name=None,
+        states="".join(seen),
+        cpu_seconds=cpu,
+        cpu_fraction=cpu / seconds,
+        runnable_fraction=runnable,
+        voluntary_switches=end.voluntary - (start.voluntary if start else 0),
+        nonvoluntary_switches=end.nonvoluntary - (start.nonvoluntary if start else 0),
+        syscall=end.syscall,
+        wchan=end.wchan,
+        new=start is None,
+    )
+    if start is not None:
+        thread.spinning = thread_is_spinning(
+            thread.cpu_fraction, runnable, thread.voluntary_switches, seconds
+        )
+        thread.blocked = thread_is_blocked(thread.states)
+    return thread
+
+
+def _check_hot_stacks(reports: Sequence[ProcessReport], use_py_spy: bool, proc: Path) -> str:
+    """Run py-spy on processes with spinning threads; how stacks were looked at."""
+    hot = [r for r in reports if any(t.spinning for t in r.threads)]
+    exe = None
     if not use_py_spy:
-        reason = "disabled"
+        status, why = "disabled", "py-spy disabled"
     elif proc.resolve() != Path("/proc"):
-        reason = f"not used: PIDs under {proc} may be another namespace's"
+        status, why = "disabled", f"py-spy not used: PIDs under {proc} may be another namespace's"
     else:
         exe = find_py_spy()
-        if exe is None:
-            reason = "not found (pip install py-spy)"
-        elif not hot_reports:
-            return f"{exe}: not needed, no spinning thread"
-        else:
-            for report in hot_reports:
-                report.stack_check = check_stacks(exe, report.pid, report.threads)
-                if report.stack_check.status != "checked":
-                    notes.append(f"PID {report.pid}: {report.stack_check.detail}")
-            return f"{exe} dump --nonblocking"
-    for report in hot_reports:
-        report.stack_check = StackCheck(status="disabled" if not use_py_spy else "not-found")
-        report.stack_check.detail = f"py-spy {reason}"
-    return reason
+        status, why = "not-found", "py-spy not found (pip install py-spy)"
+    if exe is None:
+        for report in hot:
+            report.stack_check = StackCheck(status=status, detail=why)
+        return why
+    if not hot:
+        return f"{exe} (not needed: no spinning thread)"
+    for report in hot:
+        report.stack_check = check_stacks(exe, report.pid, report.threads)
+    failed = [str(r.pid) for r in hot if r.stack_check and r.stack_check.status == "failed"]
+    return f"{exe} dump --nonblocking" + (
+        f" (failed for PID {', '.join(failed)})" if failed else ""
+    )
 
 
 def _summary(whole: Classification, reports: Sequence[ProcessReport]) -> str:
@@ -980,6 +1025,7 @@ def _summary(whole: Classification, reports: Sequence[ProcessReport]) -> str:
 # --------------------------------------------------------------------------- rendering
 
 _MAX_THREADS_SHOWN = 8
+_MAX_COMMAND_SHOWN = 160
 
 
 def render(d: Diagnosis) -> str:
@@ -991,41 +1037,49 @@ def render(d: Diagnosis) -> str:
         "",
     ]
     for report in d.processes:
-        lines.append(
-            f"PID {report.pid} ({report.role}, parent {report.ppid}) "
-            f"{report.classification.value}: {report.reason}"
-        )
-        lines.append(f"  {report.cmdline or report.comm}")
-        if report.threads:
-            lines.append(
-                f"  CPU {report.cpu_fraction:.0%} of one core, {len(report.threads)} thread(s)"
-            )
-        flagged = [t for t in report.threads if t.spinning or t.blocked]
-        rest = [t for t in report.threads if not (t.spinning or t.blocked)]
-        shown = flagged + rest[: max(0, _MAX_THREADS_SHOWN - len(flagged))]
-        for t in shown:
-            mark = "SPIN" if t.spinning else ("BLOCKED" if t.blocked else "")
-            lines.append(
-                f"  {mark:7} TID {t.tid:<7} {t.label[:24]:24} cpu {t.cpu_fraction:4.0%} "
-                f"runnable {_percent(t.runnable_fraction):>4} "
-                f"vol +{t.voluntary_switches:<5} nonvol +{t.nonvoluntary_switches:<6} "
-                f"states {_squeeze(t.states):8} syscall {t.syscall or '?'}"
-                + (f" wchan {t.wchan}" if t.wchan and t.wchan != "0" else "")
-            )
-        if len(report.threads) > len(shown):
-            lines.append(f"          (+{len(report.threads) - len(shown)} more, less busy)")
-        for t in flagged:
-            if t.stack:
-                verdict = "in the mm cache eviction loop" if t.in_mm_cache else "elsewhere"
-                lines.append(f"  stack of TID {t.tid} ({verdict}), innermost first:")
-                lines.extend(f"    {frame}" for frame in t.stack)
-        if report.stack_check is not None and report.stack_check.status != "checked":
-            lines.append(f"  stack not checked: {report.stack_check.detail}")
+        lines.extend(_render_process(report))
         lines.append("")
-    for note in d.notes:
-        lines.append(f"note: {note}")
+    lines.extend(f"note: {note}" for note in d.notes)
     lines.append(f"What to do: {d.remedy}")
     return "\n".join(lines)
+
+
+def _render_process(report: ProcessReport) -> list[str]:
+    command = " ".join((report.cmdline or report.comm).split())
+    if len(command) > _MAX_COMMAND_SHOWN:
+        command = command[: _MAX_COMMAND_SHOWN - 3] + "..."
+    lines = [
+        f"PID {report.pid} ({report.role}, parent {report.ppid}): "
+        f"{report.classification.value}: {report.reason}",
+        f"  command: {command}",
+    ]
+    if report.threads:
+        lines.append(
+            f"  CPU {report.cpu_fraction:.0%} of one core, {len(report.threads)} thread(s)"
+        )
+    flagged = [t for t in report.threads if t.spinning or t.blocked]
+    rest = [t for t in report.threads if not (t.spinning or t.blocked)]
+    shown = flagged + rest[: max(0, _MAX_THREADS_SHOWN - len(flagged))]
+    for t in shown:
+        mark = "SPIN" if t.spinning else ("BLOCKED" if t.blocked else "")
+        lines.append(
+            f"  {mark:7} TID {t.tid:<7} {t.label[:24]:24} cpu {t.cpu_fraction:4.0%} "
+            f"runnable {_percent(t.runnable_fraction):>4} "
+            f"vol +{t.voluntary_switches:<5} nonvol +{t.nonvoluntary_switches:<6} "
+            f"states {_squeeze(t.states):8} syscall {t.syscall or '?'}"
+            + (f" wchan {t.wchan}" if t.wchan and t.wchan != "0" else "")
+        )
+    if len(report.threads) > len(shown):
+        lines.append(f"          (+{len(report.threads) - len(shown)} less busy thread(s))")
+    for t in flagged:
+        if t.stack:
+            verdict = "in the mm cache eviction loop" if t.in_mm_cache else "elsewhere"
+            lines.append(f"  stack of TID {t.tid} ({verdict}), innermost first:")
+            lines.extend(f"    {frame}" for frame in t.stack)
+    check = report.stack_check
+    if check is not None and check.status != "checked":
+        lines.append(f"  stack not checked: {check.detail}")
+    return lines
 
 
 def _percent(value: float | None) -> str:
