@@ -69,7 +69,9 @@ def side_by_side(before: e2e.RunResult, after: e2e.RunResult) -> str:
         f"{'-' * width}  {'-' * 18}  {'-' * 18}",
     ]
     for name in names:
-        lines.append(f"{name:<{width}}  {_cell(before.step(name)):<18}  {_cell(after.step(name)):<18}")
+        lines.append(
+            f"{name:<{width}}  {_cell(before.step(name)):<18}  {_cell(after.step(name)):<18}"
+        )
     lines += [
         f"{'engine after':<{width}}  {_engine(before)}",
         f"{'':<{width}}  {_engine(after)}",
@@ -117,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, plugin in (("WITHOUT the plugin", None), ("WITH the plugin", wheel)):
             print(f"\n=== {label} ===", flush=True)
             e2e.set_plugin(args.venv, plugin)
-            result = e2e.run_incident(
-                args.venv, n_images=args.images, request_timeout=args.timeout
-            )
+            result = e2e.run_incident(args.venv, n_images=args.images, request_timeout=args.timeout)
             print(e2e.format_result(result), flush=True)
             runs.append(result)
     before, after = runs

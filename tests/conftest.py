@@ -32,3 +32,11 @@ def _revert_patches() -> Iterator[None]:
     yield
     if "vllm_mmcache_fix.plugin" in sys.modules:
         sys.modules["vllm_mmcache_fix.plugin"].uninstrument()
+
+
+@pytest.fixture(scope="session")
+def plugin_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of this checkout, built once per session."""
+    from venvs import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))

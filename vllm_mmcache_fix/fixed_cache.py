@@ -36,14 +36,12 @@ class RepairStats:
 
     ghost_keys_dropped: int = 0
     orphans_restored: int = 0
-    touches_ignored: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, int]:
         return {
             "ghost_keys_dropped": self.ghost_keys_dropped,
             "orphans_restored": self.orphans_restored,
-            "touches_ignored": self.touches_ignored,
         }
 
     def total(self) -> int:
@@ -115,30 +113,31 @@ class FixedLRUMixin:
             # vLLM <= 0.23 left this behind on an earlier touch of a missing key.
             order.pop(key, None)
             _record("ghost_keys_dropped", 1, self)
-        else:
-            # vLLM <= 0.23 would add the key here and create the ghost.
-            STATS.touches_ignored += 1
+        # A missing key is not added: vLLM <= 0.23 did, and created the ghost.
 
     def popitem(self, remove_pinned: bool = False) -> tuple[Hashable, Any]:
+        order = self._LRUCache__order
         data = self._Cache__data
         pinned = self.pinned_items
-        ghosts: list[Hashable] | None = None
+        if len(order) != len(data):
+            self._mmfix_resync()
         victim: Any = _NO_VICTIM
-        for key in self._LRUCache__order:
+        for key in order:
             if key not in data:
-                if ghosts is None:
-                    ghosts = []
-                ghosts.append(key)
-            elif remove_pinned or key not in pinned:
+                # A ghost with an orphan somewhere balancing the lengths (or a
+                # concurrent change): repair everything, then look again.
+                self._mmfix_resync()
+                victim = next(
+                    (k for k in order if k in data and (remove_pinned or k not in pinned)),
+                    _NO_VICTIM,
+                )
+                break
+            if remove_pinned or key not in pinned:
                 victim = key
                 break
-        if ghosts is not None:
-            self._mmfix_drop(ghosts)
-        if victim is _NO_VICTIM and len(self._LRUCache__order) < len(data):
-            victim = self._mmfix_restore_orphans(remove_pinned)
         if victim is _NO_VICTIM:
-            # Order and data agree now and nothing is evictable: vLLM's own
-            # popitem raises the error it always raised for this case.
+            # Order and data agree and nothing is evictable: vLLM's own popitem
+            # raises the error it always raised for this case.
             return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
         return victim, self.pop(victim)  # type: ignore[attr-defined]
 
@@ -147,41 +146,37 @@ class FixedLRUMixin:
         # Each call removes one real item, so this runs at most len(data) times.
         while data:
             self.popitem(remove_pinned=True)
-        leftovers = list(self._LRUCache__order)
-        if leftovers:
-            self._mmfix_drop(leftovers)
+        if self._LRUCache__order:
+            self._mmfix_resync()
+        # A pin can outlive its item when cachetools' delete fails half-way.
+        self.pinned_items.clear()
         # Nothing left to remove: vLLM's clear only resets its statistics now.
         getattr(type(self), BASE_ATTR).clear(self)
 
-    def _mmfix_drop(self, keys: list[Hashable]) -> None:
+    def _mmfix_resync(self) -> None:
+        """Make the order hold exactly the keys that have data.
+
+        Order-only keys are dropped. Data-only keys go to the oldest end,
+        keeping their relative order: they lost their place at some point, and
+        evicting them first is the conservative choice (their data is intact,
+        and P0's shadow of this cache evicts in the same order).
+        """
         order = self._LRUCache__order
         data = self._Cache__data
-        dropped = 0
-        for key in keys:
-            # Re-check: another thread may have inserted the key meanwhile.
-            if key not in data and order.pop(key, _NO_VICTIM) is not _NO_VICTIM:
-                dropped += 1
-        if dropped:
-            _record("ghost_keys_dropped", dropped, self)
-
-    def _mmfix_restore_orphans(self, remove_pinned: bool) -> Any:
-        order = self._LRUCache__order
-        orphans = [key for key in list(self._Cache__data) if key not in order]
-        # Oldest end of the order, keeping their insertion order: they are the
-        # items the cache lost track of, so they go first.
+        ghosts = [key for key in order if key not in data]
+        for key in ghosts:
+            order.pop(key, None)
+        if ghosts:
+            _record("ghost_keys_dropped", len(ghosts), self)
+        orphans = [key for key in data if key not in order]
         for key in reversed(orphans):
             order[key] = None
             order.move_to_end(key, last=False)
         if orphans:
             _record("orphans_restored", len(orphans), self)
-        pinned = self.pinned_items
-        for key in orphans:
-            if remove_pinned or key not in pinned:
-                return key
-        return _NO_VICTIM
 
 
-_MIXED_IN = ("touch", "popitem", "clear", "_mmfix_drop", "_mmfix_restore_orphans")
+_MIXED_IN = ("touch", "popitem", "clear", "_mmfix_resync")
 _fixed_classes: dict[type, type] = {}
 _fixed_classes_lock = threading.Lock()
 
