@@ -39,15 +39,12 @@ GiB = 1 << 30
 def child(queue):
     from vllm.plugins import load_general_plugins
     load_general_plugins()
-    out = {}
-    try:
-        import vllm_mmcache_fix
-        out["status"] = vllm_mmcache_fix.status()
-    except ImportError:
-        out["status"] = None
+    import vllm.multimodal.cache  # what EngineCore has imported when it builds caches
+    import vllm_mmcache_fix
     from vllm_mmcache_fix.locate import locate_mm_cache_factory
-    factory = locate_mm_cache_factory(import_modules=True)
-    out["cls"] = type(factory.owner.get_lru_cache(0.001, object)).__name__
+    factory = locate_mm_cache_factory()
+    out = {"cls": type(factory.owner.get_lru_cache(0.001, object)).__name__}
+    out["status"] = vllm_mmcache_fix.status()
     queue.put(out)
 
 
@@ -94,7 +91,7 @@ if __name__ == "__main__":
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         import vllm_mmcache_fix
-        out["status"] = vllm_mmcache_fix.status()
+        out["status_at_load"] = vllm_mmcache_fix.status()
         for method in ("spawn", "fork"):
             ctx = multiprocessing.get_context(method)
             queue = ctx.Queue()
@@ -106,6 +103,8 @@ if __name__ == "__main__":
     out["vllm"] = vllm.__version__
     Receiver = receiver_class()
     out["receiver"] = Receiver.__name__
+    if LOAD:
+        out["status"] = vllm_mmcache_fix.status()
     for name, seq in (("incident", incident), ("planted", planted)):
         receiver = Receiver(ModelConfig())
         out[f"{name}_cache_cls"] = type(receiver._cache).__name__
@@ -166,6 +165,10 @@ def _ghost_touch(version: str) -> bool:
 def test_loaded_by_vllm_in_every_process(version_runs: tuple[str, dict, dict]) -> None:
     version, patched, _ = version_runs
     assert patched["vllm"].split("+")[0] == version
+    # A bare script loads plugins before importing the multimodal cache module:
+    # the plugin waits for that import, then patches.
+    at_load = patched["status_at_load"]
+    assert at_load["installed"] or at_load["waiting_for_import"], at_load
     status = patched["status"]
     assert status["installed"] is True, status
     assert status["mode"] == "on"

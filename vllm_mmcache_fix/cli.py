@@ -6,6 +6,7 @@ The only module that prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -75,7 +76,9 @@ def _patch_text(works: bool | None, target: str | None) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     from .check import run_check
 
-    report = run_check()
+    # vLLM logs to stdout; keep stdout for the report (and valid --json).
+    with contextlib.redirect_stdout(sys.stderr):
+        report = run_check()
     _print_check(report, args.json)
     return report.exit_code
 
