@@ -338,3 +338,28 @@ def test_repairs_are_logged_rate_limited(tree) -> None:
     assert result["status"]["repairs"]["ghost_keys_dropped"] == 5
     warnings = _messages(result, "WARNING")
     assert len(warnings) == 1 and "repaired a multimodal cache" in warnings[0]
+
+
+def test_active_line_waits_until_vllm_logging_is_set_up(tree) -> None:
+    """vLLM 0.32 configures logging after plugins load in the API server."""
+    root = tree("module")
+    result = run_snippet(
+        root,
+        """
+        import vllm.multimodal.cache as m
+        import vllm_mmcache_fix
+        keep = _vllm_logger.handlers[:]
+        _vllm_logger.handlers.clear()
+        _vllm_logger.propagate = True  # as before vLLM configures it; root has none
+        vllm_mmcache_fix.register()
+        before = len(records)
+        _vllm_logger.handlers[:] = keep
+        _vllm_logger.propagate = False
+        m.MultiModalCache.get_lru_cache(1.0, bytes)
+        m.MultiModalCache.get_lru_cache(1.0, bytes)
+        report(before=before)
+        """,
+    )
+    assert result["before"] == 0
+    info = _messages(result, "INFO")
+    assert len(info) == 1 and info[0].startswith("vllm-mmcache-fix: active in")

@@ -18,6 +18,15 @@ PREFIX = "vllm-mmcache-fix: "
 logger = logging.getLogger(LOGGER_NAME)
 
 
+def has_destination() -> bool:
+    """Whether a line logged now reaches a handler.
+
+    vLLM 0.32 configures its logger only after plugins load in the API server;
+    a line logged before that is dropped.
+    """
+    return logger.hasHandlers()
+
+
 def info(msg: str, *args: object) -> None:
     logger.info(PREFIX + msg, *args)
 

@@ -33,6 +33,8 @@ class PluginState:
     exposure: Exposure | None = None
     caches_built: int = 0
     caches_fixed: int = 0
+    announcement: str | None = None
+    """The "active" line, held back until vLLM's logging is set up."""
     warned: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -153,8 +155,18 @@ def _try_locate_and_patch(*, final: bool) -> bool:
         return True
     if wrap_factory(PATCH_FIX, factory, _fix_build, _on_build_error):
         _state.installed = True
-        _log.info("%s", startup.active_line(factory.qualname, factory.layout, _state.exposure))
+        _state.announcement = startup.active_line(
+            factory.qualname, factory.layout, _state.exposure
+        )
+        _announce()
     return True
+
+
+def _announce() -> None:
+    """Log the "active" line once, as soon as it can reach vLLM's log."""
+    if _state.announcement is not None and _log.has_destination():
+        line, _state.announcement = _state.announcement, None
+        _log.info("%s", line)
 
 
 def _give_up(reason: str) -> None:
@@ -181,6 +193,7 @@ def _probe_installed_lru() -> Exposure | None:
 def _fix_build(cache: Any, capacity_gb: float | None) -> Any:
     with _lock:
         _state.caches_built += 1
+        _announce()
     reason = fixed_cache.check_compatible(cache)
     if reason is not None:
         _warn_unprotected(f"cannot fix this cache: {reason}", capacity_gb)
