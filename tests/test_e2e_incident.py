@@ -13,7 +13,9 @@ A version without a complete venv (``scripts/make_venv.py VERSION``) fails.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,10 +45,22 @@ def _report(result: e2e.RunResult) -> str:
     return "\n" + e2e.format_result(result)
 
 
+def _diagnose(server_pid: int) -> dict:
+    """What an on-call engineer runs: ``vllm-mmcache-fix diagnose --pid <API server>``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "diagnose", "--pid", str(server_pid), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+    return {"rc": proc.returncode, "report": proc.stdout, "stderr": proc.stderr[-2000:]}
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_incident_without_plugin(version: str) -> None:
     venv = _venv(version)
-    result = e2e.run_incident(venv, disable_plugin=True, n_images=20)
+    result = e2e.run_incident(venv, disable_plugin=True, n_images=20, inspect=_diagnose)
     print(_report(result))
     assert result.started, result.error
     assert not result.plugin_lines, _report(result)
@@ -58,13 +72,18 @@ def test_incident_without_plugin(version: str) -> None:
         return
     assert b is not None and b.status == 500, _report(result)
     new_images = [s for s in result.steps if s.step.startswith("c:")]
+    diagnosis = json.loads(result.inspection["report"])
     if expected == "hang":
         assert result.hung, _report(result)
         assert new_images[-1].timed_out, _report(result)
         assert result.spin_after is not None and result.spin_after.spinning, _report(result)
+        # The freeze, recognised from the API server's PID on the live process.
+        assert diagnosis["classification"] == "SPINNING_IN_MM_CACHE", result.inspection
+        assert result.inspection["rc"] == 3
     else:
         assert not result.hung, _report(result)
         assert len(new_images) == 20 and all(s.ok for s in new_images), _report(result)
+        assert diagnosis["classification"] in ("IDLE", "ACTIVE"), result.inspection
 
 
 @pytest.mark.parametrize("version", VERSIONS)
