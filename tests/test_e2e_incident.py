@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import e2e  # noqa: E402
+from readme import guide_blocks  # noqa: E402
 from venvs import vllm_venv  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -107,3 +108,12 @@ def test_incident_with_plugin(version: str, plugin_wheel: Path) -> None:
     active = {p for p, lines in result.plugin_lines.items() if any("active in" in x for x in lines)}
     assert any("EngineCore" in p for p in active), _report(result)
     assert any("APIServer" in p or "MainProcess" in p for p in active), _report(result)
+    # The README's "confirm that every process is patched" step, on this log.
+    grep = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", guide_blocks()["confirm-logs"][1]],
+        env={**os.environ, "VLLM_LOG": result.log_path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert grep.returncode == 0 and len(grep.stdout.splitlines()) >= 2, grep
