@@ -251,8 +251,16 @@ class Model:
 
     def popitem(self, remove_pinned: bool = False) -> None:
         self.popitem_calls += 1
-        if len(self.order) != len(self.data) or any(k not in self.data for k in self.order):
+        # Resync when the sizes disagree (a cheap check) or when the scan for
+        # a victim meets an order-only key before finding one.
+        if len(self.order) != len(self.data):
             self.resync()
+        for key in self.order:
+            if key not in self.data:
+                self.resync()
+                break
+            if remove_pinned or key not in self.pinned:
+                break
         victim = next((k for k in self.order if remove_pinned or k not in self.pinned), None)
         if victim is None:
             raise RuntimeError(ALL_PINNED)
@@ -317,13 +325,10 @@ class Model:
         return self.data[key]
 
     def touch(self, key: str) -> None:
-        if key in self.data:
-            if key in self.order:
-                self.order.move_to_end(key)
-            else:
-                self.order[key] = None
-        else:
-            self.order.pop(key, None)
+        if key in self.order:
+            self.order.move_to_end(key)
+        elif key in self.data:
+            self.order[key] = None
 
     def pop(self, key: str) -> Val | None:
         if key not in self.data:

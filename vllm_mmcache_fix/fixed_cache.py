@@ -101,19 +101,16 @@ class FixedLRUMixin:
     pinned_items: set[Hashable]
 
     def touch(self, key: Hashable) -> None:
-        order = self._LRUCache__order
-        if key in self._Cache__data:
-            try:
-                order.move_to_end(key)
-            except KeyError:
+        # Same cost as vLLM's own touch on the hot path (one move_to_end).
+        # An order-only key that is touched just moves; popitem drops it.
+        try:
+            self._LRUCache__order.move_to_end(key)
+        except KeyError:
+            if key in self._Cache__data:
                 # Data without an order entry: give it one, as most recent.
-                order[key] = None
+                self._LRUCache__order[key] = None
                 _record("orphans_restored", 1, self)
-        elif key in order:
-            # vLLM <= 0.23 left this behind on an earlier touch of a missing key.
-            order.pop(key, None)
-            _record("ghost_keys_dropped", 1, self)
-        # A missing key is not added: vLLM <= 0.23 did, and created the ghost.
+            # A missing key is not added: vLLM <= 0.23 did, creating the ghost.
 
     def popitem(self, remove_pinned: bool = False) -> tuple[Hashable, Any]:
         order = self._LRUCache__order
