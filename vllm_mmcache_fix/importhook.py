@@ -32,10 +32,13 @@ class _NotifyingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         # Loaders such as SourceFileLoader serve get_data() etc. to tools that
-        # read module.__loader__; give them the real one back.
-        module.__loader__ = self._loader
+        # read module.__loader__; give them the real one back (hooks may nest).
+        real = self._loader
+        while isinstance(real, _NotifyingLoader):
+            real = real._loader
+        module.__loader__ = real
         if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
+            module.__spec__.loader = real
         self._callback(module.__name__)
 
     def __getattr__(self, name: str) -> Any:
@@ -81,11 +84,16 @@ def when_imported(names: Iterable[str], callback: Callback) -> PostImportHook:
     return hook
 
 
+def remove_hook(hook: PostImportHook) -> None:
+    if hook in sys.meta_path:
+        sys.meta_path.remove(hook)
+    if hook in _hooks:
+        _hooks.remove(hook)
+
+
 def remove_hooks() -> None:
-    for hook in _hooks:
-        if hook in sys.meta_path:
-            sys.meta_path.remove(hook)
-    _hooks.clear()
+    for hook in list(_hooks):
+        remove_hook(hook)
 
 
 def active_hooks() -> list[PostImportHook]:

@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _log, fixed_cache, importhook, registry, startup
+from . import _log, drift, fixed_cache, importhook, registry, startup
 from .config import Mode, read_mode
 from .locate import WATCHED_MODULES, LayoutNotFound, locate_mm_cache_factory
 from .patching import PATCH_FIX, PATCH_OBSERVE, wrap_factory
@@ -26,6 +26,7 @@ class PluginState:
     mode: Mode | None = None
     attempted: bool = False
     waiting_for_import: bool = False
+    hook: importhook.PostImportHook | None = None
     installed: bool = False
     target: str | None = None
     layout: str | None = None
@@ -75,15 +76,18 @@ def instrument() -> PluginState:
             )
             return _state
         fixed_cache.add_repair_listener(_on_repair)
+        if setting.mode is Mode.ON:
+            drift.install_drift_fix()
         if not _try_locate_and_patch(final=_all_watched_imported()):
             _state.waiting_for_import = True
-            importhook.when_imported(WATCHED_MODULES, _on_import)
+            _state.hook = importhook.when_imported(WATCHED_MODULES, _on_import)
         return _state
 
 
 def uninstrument() -> None:
     """Undo everything ``instrument`` did in this process (for tests)."""
     with _lock:
+        drift.uninstall_drift_fix()
         importhook.remove_hooks()
         registry.revert_all()
         fixed_cache.remove_repair_listener(_on_repair)
@@ -112,6 +116,7 @@ def status() -> dict[str, Any]:
             "caches_built": state.caches_built,
             "caches_fixed": state.caches_fixed,
             "repairs": fixed_cache.STATS.as_dict(),
+            "drift": drift.status(),
             "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],
             "problems": list(state.problems),
             "vllm_version": startup.vllm_version(),
@@ -132,7 +137,7 @@ def _on_import(name: str) -> None:
                 return
             if _try_locate_and_patch(final=_all_watched_imported()):
                 _state.waiting_for_import = False
-                importhook.remove_hooks()
+                _drop_hook()
     except Exception as exc:
         _log.warning("internal error after importing %s, vLLM left as it is: %r", name, exc)
 
@@ -155,9 +160,7 @@ def _try_locate_and_patch(*, final: bool) -> bool:
         return True
     if wrap_factory(PATCH_FIX, factory, _fix_build, _on_build_error):
         _state.installed = True
-        _state.announcement = startup.active_line(
-            factory.qualname, factory.layout, _state.exposure
-        )
+        _state.announcement = startup.active_line(factory.qualname, factory.layout, _state.exposure)
         _announce()
     return True
 
@@ -169,10 +172,16 @@ def _announce() -> None:
         _log.info("%s", line)
 
 
+def _drop_hook() -> None:
+    if _state.hook is not None:
+        importhook.remove_hook(_state.hook)
+        _state.hook = None
+
+
 def _give_up(reason: str) -> None:
     _state.not_applied_reason = reason
     _state.waiting_for_import = False
-    importhook.remove_hooks()
+    _drop_hook()
     exposure = _state.exposure or _probe_installed_lru()
     if exposure is None or startup.needs_warning(exposure, None):
         _state.warned = True
