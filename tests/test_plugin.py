@@ -368,3 +368,24 @@ def test_active_line_waits_until_vllm_logging_is_set_up(tree) -> None:
     assert result["before"] == 0
     info = _messages(result, "INFO")
     assert len(info) == 1 and info[0].startswith("vllm-mmcache-fix: active in")
+
+
+@pytest.mark.parametrize("version", ["0.23.0+empty", "0.24.0.dev12+g1234abc", "weird"])
+def test_editable_dev_and_odd_version_strings(tmp_path: Path, lru_source, version: str) -> None:
+    """Ascend editable builds read ``0.23.0+empty``; the probe decides, not the string."""
+    root = write_layout(tmp_path, "module", lru_source("0.23.0"), version=version)
+    result = run_snippet(
+        root,
+        """
+        import vllm.multimodal.cache as m
+        import vllm_mmcache_fix
+        vllm_mmcache_fix.register()
+        cache = m.MultiModalCache.get_lru_cache(1024 / (1 << 30), bytes)
+        report(cls=type(cache).__name__, progress=ghost_sequence(cache),
+               status=vllm_mmcache_fix.status())
+        """,
+    )
+    assert result["cls"] == "FixedLRUCache" and result["progress"] is True
+    assert result["status"]["vllm_version"] == version
+    assert result["status"]["exposure"]["touch_creates_ghost"] is True
+    assert f"vLLM {version}:" in _messages(result, "INFO")[0]

