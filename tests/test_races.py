@@ -9,11 +9,9 @@ after one more full eviction; the locked prototype also lets no exception escape
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,20 +23,8 @@ CACHETOOLS = ("5.5.2", "8.0.2")
 VERSIONS = ("0.23.0", "0.33.0")
 
 
-def _load_probe() -> ModuleType:
-    name = "race_probe"
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == str(SCRIPT):
-        return module
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-race_probe = _load_probe()
+sys.path.insert(0, str(SCRIPT.parent))
+import race_probe  # noqa: E402
 
 
 def _run(version: str, variant: str, ct: str) -> dict[str, Any]:

@@ -6,10 +6,8 @@ and operation counts are checked, never wall time.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,20 +20,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "worst_cases.py"
 ALL_PINNED = "All items are pinned, cannot remove oldest from the cache."
 
 
-def _load_script() -> ModuleType:
-    name = "worst_cases"
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == str(SCRIPT):
-        return module
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-worst_cases = _load_script()
+sys.path.insert(0, str(SCRIPT.parent))
+import worst_cases  # noqa: E402
 
 
 def _classes(version: str) -> tuple[type, type]:
