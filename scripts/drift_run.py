@@ -156,6 +156,7 @@ def run_mixed(
     wait_other: float = 1800.0,
     plugin_path: Path | None = None,
     plugin_off: bool = False,
+    extra_args: list[str] | None = None,
 ) -> DriftRun:
     """One mixed run. ``plugin_path``: a directory holding an unpacked plugin wheel, put
     first on the server's ``PYTHONPATH`` (it shadows whatever the venv has installed);
@@ -186,7 +187,11 @@ def run_mixed(
         env["MMCACHE_FIX_MODE"] = "off"
     wait_for_other(wait_other)
     server = e2e.Server(
-        venv, model, log_path, extra_args=["--limit-mm-per-prompt", TWO_IMAGES], env=env or None
+        venv,
+        model,
+        log_path,
+        extra_args=["--limit-mm-per-prompt", TWO_IMAGES, *(extra_args or [])],
+        env=env or None,
     )
     t0 = time.monotonic()
     by_kind: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in KINDS}

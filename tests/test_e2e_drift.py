@@ -61,3 +61,16 @@ def test_the_same_run_shows_5xx_without_the_plugin(version: str) -> None:
     run = drift_run.run_mixed(venv, requests=200)
     assert run.started, run.error
     assert run.server_errors > 0 or run.timeouts > 0, run.status_counts
+
+
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v == VERSIONS[-1]])
+def test_shm_cache_is_left_alone(version: str, plugin_wheel: Path) -> None:
+    """``--mm-processor-cache-type shm`` uses other classes; the plugin must not get in the way."""
+    venv = _venv(version)
+    e2e.set_plugin(venv, plugin_wheel)
+    run = drift_run.run_mixed(venv, requests=200, extra_args=["--mm-processor-cache-type", "shm"])
+    assert run.started, run.error
+    assert not run.error, run.error
+    assert run.timeouts == 0, run.unexpected[:5]
+    assert run.server_errors == 0, run.unexpected[:5]
+    assert run.status_counts.get("400", 0) >= 40
