@@ -102,9 +102,20 @@ os._exit(0)
 """
 
 
-def _run(version: str) -> dict:
+# Every release under the cachetools the test environment has (8.x), and one
+# release of each LRUCache layout under the older cachetools vLLM allows.
+OLDER_CACHETOOLS = ("5.5.2", "6.2.0")
+LAYOUT_SAMPLES = ("0.10.0", "0.11.0", "0.23.0", "0.24.0", "0.33.0")
+CASES = [(v, None) for v in realsrc.VERSIONS] + [
+    (v, ct) for ct in OLDER_CACHETOOLS for v in LAYOUT_SAMPLES
+]
+IDS = [f"{v}-cachetools{ct or 'default'}" for v, ct in CASES]
+
+
+def _run(case: tuple[str, str | None]) -> dict:
+    version, cachetools = case
     code = f"VERSION = {version!r}\nDEADLINE = {HANG_DEADLINE_S}\n" + SEQUENCES
-    result = realsrc.run_snippet(code, timeout=60).check()
+    result = realsrc.run_snippet(code, cachetools, timeout=60).check()
     for line in result.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -112,21 +123,21 @@ def _run(version: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[str, dict]:
-    versions = list(realsrc.VERSIONS)
-    for version in versions:
+def outcomes() -> dict[tuple[str, str | None], dict]:
+    for version in realsrc.VERSIONS:
         realsrc.source_root(version)  # fetch up front, serially
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(versions, pool.map(_run, versions)))
+        return dict(zip(CASES, pool.map(_run, CASES)))
 
 
 def _ghost_touch(version: str) -> bool:
     return realsrc.version_key(version) < (0, 24)
 
 
-@pytest.mark.parametrize("version", realsrc.VERSIONS)
-def test_fixed_class_finishes_every_sequence(outcomes: dict[str, dict], version: str) -> None:
-    out = outcomes[version]
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fixed_class_finishes_every_sequence(outcomes: dict, case: tuple[str, str | None]) -> None:
+    version = case[0]
+    out = outcomes[case]
     for name in ("incident", "planted", "planted_clear"):
         assert out[f"fixed_{name}_consistent"], (version, name, out)
     # Eviction kept the cache full and within capacity after the ghost.
@@ -137,9 +148,10 @@ def test_fixed_class_finishes_every_sequence(outcomes: dict[str, dict], version:
     assert out["repairs"]["ghost_keys_dropped"] >= 2
 
 
-@pytest.mark.parametrize("version", realsrc.VERSIONS)
-def test_release_class_hangs_where_expected(outcomes: dict[str, dict], version: str) -> None:
-    out = outcomes[version]
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_release_class_hangs_where_expected(outcomes: dict, case: tuple[str, str | None]) -> None:
+    version = case[0]
+    out = outcomes[case]
     assert out["unpatched_incident_hangs"] is _ghost_touch(version), out
     # Eviction and clear were never hardened upstream: a planted ghost stalls both.
     assert out["unpatched_planted_hangs"] is True, out
