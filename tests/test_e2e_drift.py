@@ -39,11 +39,22 @@ def _venv(version: str) -> Path:
     return vllm_venv(version)
 
 
+def _print(run: drift_run.DriftRun) -> None:
+    print(
+        f"vLLM {run.vllm_version} plugin={run.plugin_installed} drift={run.drift_mode or 'on'}: "
+        f"{run.requests} requests in {run.seconds} s; first two {run.first_400_then_same_image}; "
+        f"statuses {run.status_counts}; 5xx={run.server_errors} timeouts={run.timeouts}; "
+        f"by kind {run.by_kind}; drift warnings={run.drift_warnings} "
+        f"rollback lines={run.rollback_lines}"
+    )
+
+
 @pytest.mark.parametrize(("version", "mode"), CASES)
 def test_no_client_sees_drift_with_the_plugin(version: str, mode: str, plugin_wheel: Path) -> None:
     venv = _venv(version)
     e2e.set_plugin(venv, plugin_wheel)
     run = drift_run.run_mixed(venv, requests=200, drift_mode=mode)
+    _print(run)
     assert run.started, run.error
     assert not run.error, run.error
     assert run.first_400_then_same_image == [400, 200], run.unexpected[:5]
@@ -59,6 +70,7 @@ def test_the_same_run_shows_5xx_without_the_plugin(version: str) -> None:
     venv = _venv(version)
     e2e.set_plugin(venv, None)
     run = drift_run.run_mixed(venv, requests=200)
+    _print(run)
     assert run.started, run.error
     assert run.server_errors > 0 or run.timeouts > 0, run.status_counts
 
@@ -69,6 +81,7 @@ def test_shm_cache_is_left_alone(version: str, plugin_wheel: Path) -> None:
     venv = _venv(version)
     e2e.set_plugin(venv, plugin_wheel)
     run = drift_run.run_mixed(venv, requests=200, extra_args=["--mm-processor-cache-type", "shm"])
+    _print(run)
     assert run.started, run.error
     assert not run.error, run.error
     assert run.timeouts == 0, run.unexpected[:5]
