@@ -360,3 +360,25 @@ def test_a_processor_only_cache_is_not_tracked(modules) -> None:
     processing.BaseMultiModalProcessor(other).apply(processing.ProcessorInputs([("y", 1)], 4))
     assert drift._SHADOW_ATTR not in other.__dict__
     assert "popitem" not in other._cache.__dict__
+
+
+@pytest.mark.parametrize("resolved", ["after-reuse", "before-reuse"])
+def test_late_rejection_that_moved_a_cached_key(modules, resolved: str) -> None:
+    """A rejected request resolved late moved "a" in P0 only; P1 evicted "a" meanwhile."""
+    drift.install_drift_fix()
+    world = drift_sim.World(modules, capacity=3)
+    assert statuses(world, [(["a"], False), (["b"], False), (["c"], False)]) == [200] * 3
+    pending = world.render(["a"], text_len=100)  # moves "a" to most-recent in P0 only
+    assert statuses(world, [(["d"], False)]) == [200]
+    assert "a" in world.p0_keys() and "a" not in world.p1_keys()
+    if resolved == "before-reuse":
+        with pytest.raises(ValueError):
+            run(_consume(world.engine.generate(pending, None, "late")))
+    assert statuses(world, [(["a"], False)]) == [200]
+    if resolved == "after-reuse":
+        with pytest.raises(ValueError):
+            run(_consume(world.engine.generate(pending, None, "late")))
+    assert drift.status()["counts"]["drift_events"] == 0
+    assert world.p0_keys() <= world.p1_keys()
+    assert statuses(world, [([k], False) for k in "abcde"]) == [200] * 5
+    assert drift.status()["counts"]["drift_events"] == 0

@@ -19,8 +19,11 @@ Prevention (``MMCACHE_FIX_DRIFT=on``, the default)
     membership and LRU order exactly as P1 has them: inserted keys leave,
     evicted entries come back, touched keys return to their old position (the
     shadow keeps an access counter per key, so order is restored by sorting on
-    it). While a request is in flight, the keys it inserted are "tentative":
-    other requests see them as not cached and send the data themselves.
+    it). While a request is in flight, the keys it inserted or moved are
+    "tentative": other requests see them as not cached and send the data
+    themselves. A rollback that comes after later evictions (the processed
+    input was only freed by the garbage collector) cannot know what P1 evicted
+    instead; the keys it moves back are sent with their data the next time.
 
 Recovery (``on`` and ``recover``)
     When the first output of a request that sent items as ``data=None`` is an
@@ -144,6 +147,7 @@ class Journal:
         "evicted",
         "evictions_mark",
         "sent_without_data",
+        "cleared",
     )
 
     def __init__(self, shadow: Shadow) -> None:
@@ -162,6 +166,8 @@ class Journal:
         # The shadow's eviction count when this request's processing ended.
         self.evictions_mark: int | None = None
         self.sent_without_data = 0
+        # doubtful keys whose data this request sent
+        self.cleared: list[Hashable] = []
 
 
 class Shadow:
@@ -173,6 +179,10 @@ class Shadow:
         self.epoch = 0
         self.seq: dict[Hashable, int] = {}
         self.owner: dict[Hashable, Journal] = {}
+        # key -> pending journals that moved it to most-recent (it was cached already)
+        self.touched: dict[Hashable, list[Journal]] = {}
+        # keys P1 may have evicted while P0 kept them: sent with their data next time
+        self.doubtful: set[Hashable] = set()
         self.evictions = 0
         order = lru._LRUCache__order
         self.counter = itertools.count(len(order))
@@ -189,6 +199,7 @@ class Shadow:
 
     def on_evict(self, key: Hashable, value: Any) -> None:
         self.evictions += 1
+        self.doubtful.discard(key)
         seq = self.seq.pop(key, None)
         owner = self.owner.pop(key, None)
         journal = self.current()
@@ -201,8 +212,33 @@ class Shadow:
         if journal is not None:
             if key not in journal.my_seq:
                 journal.prev_seq[key] = prev
+                if prev is not None:
+                    self.touched.setdefault(key, []).append(journal)
             journal.my_seq[key] = stamp
         return stamp
+
+    def at_risk(self, key: Hashable, current: Journal | None) -> bool:
+        """True when another request that has not reached P1 moved ``key``.
+
+        P1 has not seen that move: it may evict ``key`` where P0 evicts others.
+        """
+        for journal in self.touched.get(key, ()):
+            if journal is not current and journal.state == PENDING:
+                return True
+        return False
+
+    def _release(self, journal: Journal) -> None:
+        touched = self.touched
+        for key in journal.prev_seq:
+            holders = touched.get(key)
+            if holders is None:
+                continue
+            try:
+                holders.remove(journal)
+            except ValueError:
+                continue
+            if not holders:
+                del touched[key]
 
     def prune(self) -> None:
         data = self.lru._Cache__data
@@ -218,6 +254,7 @@ class Shadow:
             journal.state = COMMITTED
             if journal.epoch != self.epoch:
                 return
+            self._release(journal)
             owner = self.owner
             for key in journal.inserted:
                 if owner.get(key) is journal:
@@ -235,6 +272,10 @@ class Shadow:
             journal.state = ROLLED_BACK
             if journal.epoch != self.epoch:
                 return 0, 0, False
+            self._release(journal)
+            # Entries were evicted after this request was processed: those choices
+            # were made with its moves in place, which P1 never saw.
+            late = journal.evictions_mark not in (None, self.evictions)
             lru = self.lru
             data = lru._Cache__data
             owner, seq = self.owner, self.seq
@@ -264,6 +305,13 @@ class Shadow:
                 if seq.get(key) == journal.my_seq.get(key):
                     seq[key] = before
                     moved = True
+                    if late:
+                        # P1 kept the key at its old place and may have evicted it
+                        # where P0 evicted others.
+                        self.doubtful.add(key)
+            for key in journal.cleared:
+                if key in data:
+                    self.doubtful.add(key)
             # Entries this request evicted are still in P1. Put them back unless
             # later requests evicted more since: P1 then evicted these instead
             # (they are its oldest), and putting them back would not match it.
@@ -318,12 +366,15 @@ class Shadow:
         with self.lock:
             self.epoch += 1
             self.owner.clear()
+            self.touched.clear()
+            self.doubtful.clear()
             self.seq.clear()
             for index, key in enumerate(self.lru._LRUCache__order):
                 self.seq[key] = index
             self.counter = itertools.count(len(self.seq))
 
     def _drop(self, key: Hashable) -> None:
+        self.doubtful.discard(key)
         self.seq.pop(key, None)
         self.lru.pop(key, None)
 
@@ -537,9 +588,15 @@ def _wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any
         if hit:
             shadow = self.__dict__.get(_SHADOW_ATTR)
             if shadow:
+                current = shadow.current()
                 holder = shadow.owner.get(mm_hash)
-                if holder is not None and holder is not shadow.current():
+                if holder is not None and holder is not current:
                     # Inserted by a request that has not reached EngineCore yet.
+                    STATS.add("tentative_bypasses")
+                    return False
+                if mm_hash in shadow.doubtful or (
+                    mm_hash in shadow.touched and shadow.at_risk(mm_hash, current)
+                ):
                     STATS.add("tentative_bypasses")
                     return False
         return hit
@@ -576,6 +633,10 @@ def _wrap_get_and_update_item(orig: Callable[[Any, Any, Any], Any]) -> Callable[
             journal = shadow.current()
             result = orig(self, mm_item, mm_hash)
             if mm_hash in data:
+                if mm_item is not None and mm_hash in shadow.doubtful:
+                    shadow.doubtful.discard(mm_hash)
+                    if journal is not None:
+                        journal.cleared.append(mm_hash)
                 shadow.note_access(mm_hash, journal, prev if present else None)
                 owner = shadow.owner
                 if journal is not None:
@@ -627,6 +688,7 @@ def _wrap_invalidate(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
             orig(self, mm_hash)
             shadow.owner.pop(mm_hash, None)
             shadow.seq.pop(mm_hash, None)
+            shadow.doubtful.discard(mm_hash)
         STATS.add("engine_reported_misses")
         return None
 
