@@ -195,13 +195,17 @@ def tree_rss_mb(root: int) -> float:
     return round(total_kb / 1024, 1)
 
 
+def _task_ids(pid: int) -> list[str]:
+    """Thread ids of a process; empty when it is gone."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def _thread_times(pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in _task_ids(pid):
         fields = _stat_fields(_read(f"/proc/{pid}/task/{tid}/stat"))
         if len(fields) > 12:
             out[tid] = int(fields[11]) + int(fields[12])  # utime + stime
@@ -210,11 +214,7 @@ def _thread_times(pid: int) -> dict[str, int]:
 
 def _ctxt(pid: int) -> tuple[int, int]:
     vol = nonvol = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0, 0
-    for tid in tids:
+    for tid in _task_ids(pid):
         text = _read(f"/proc/{pid}/task/{tid}/status")
         m1 = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M)
         m2 = re.search(r"^nonvoluntary_ctxt_switches:\s+(\d+)", text, re.M)
@@ -238,11 +238,7 @@ def find_engine_core(server_pid: int) -> int | None:
 
 def _thread_states(pid: int) -> dict[str, str]:
     out: dict[str, str] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in _task_ids(pid):
         fields = _stat_fields(_read(f"/proc/{pid}/task/{tid}/stat"))
         if fields:
             out[tid] = fields[0]
