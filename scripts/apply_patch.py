@@ -6,7 +6,7 @@
     python3 scripts/apply_patch.py --revert        # undo
     python3 scripts/apply_patch.py --root /opt/venv/lib/python3.12/site-packages
 
-The work is done by :mod:`vllm_mmcache_fix.source_patch`; exit codes are its ``EXIT_*``
+The work is done by :mod:`vllm_mmcache_fix.tools.source_patch`; exit codes are its ``EXIT_*``
 constants. vLLM itself is never imported.
 """
 
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 try:
-    from vllm_mmcache_fix.source_patch import main
+    from vllm_mmcache_fix.tools.cli import main
 except ImportError:
     # Run from a checkout without installing the package.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from vllm_mmcache_fix.source_patch import main
+    from vllm_mmcache_fix.tools.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["patch", *sys.argv[1:]]))

@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from vllm_mmcache_fix import drift  # noqa: E402
+from vllm_mmcache_fix.api_server import drift_guard as drift  # noqa: E402
+from vllm_mmcache_fix.api_server.drift_guard import processor, recovery  # noqa: E402
 
 ITEM = 4096
 CAPACITY_ITEMS = 64
@@ -125,7 +126,7 @@ def _run(layer: dict[str, Any], plan: list[list[str]], patched: bool) -> float:
     merge = processor_cls._merge_mm_kwargs
     process_inputs: Callable[..., Any] = _stub_process_inputs
     if patched:
-        process_inputs = drift._wrap_process_inputs(_stub_process_inputs)
+        process_inputs = processor.wrap_process_inputs(_stub_process_inputs)
     stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
     make_item = layer["item"]
     items = {}
@@ -150,7 +151,7 @@ def _run(layer: dict[str, Any], plan: list[list[str]], patched: bool) -> float:
         prompt = {"type": "multimodal", "mm_kwargs": mm_kwargs, "mm_hashes": {"image": hashes}}
         if patched:
             # What the generate() wrapper decides before vLLM's own generate runs.
-            drift._may_need_recovery(prompt)
+            recovery._may_need_recovery(prompt)
         process_inputs(None, f"r{i}", prompt, None)
     return (time.perf_counter() - t0) / len(plan)
 
@@ -167,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     base: list[float] = []
     fixed: list[float] = []
     for _ in range(args.rounds):
-        drift.uninstall_drift_fix()
+        drift.uninstall()
         base.append(_run(layer, plan, patched=False))
-        drift.install_drift_fix({})
+        drift.install()
         # The classes are patched now: merge and the sender ops go through the guard.
         fixed.append(_run(layer, plan, patched=True))
     patched = sorted(drift.status()["patched"])
     counts = drift.status()["counts"]
-    drift.uninstall_drift_fix()
+    drift.uninstall()
     b, f = statistics.median(base), statistics.median(fixed)
     result = {
         "layer": layer["name"],

@@ -7,7 +7,7 @@ Each diff changes the one file that defines vLLM's multimodal ``get_lru_cache``
 
 * it adds ``_FixedLRUCache``, a subclass of that module's ``LRUCache`` whose ``touch``,
   ``popitem`` and ``clear`` (and their helpers) are the plugin's ``FixedLRUMixin`` methods,
-  taken from ``vllm_mmcache_fix/fixed_cache.py`` by ``inspect``/``ast`` so the two cannot
+  taken from ``vllm_mmcache_fix/every_process/lru_eviction/cache.py`` by ``inspect``/``ast`` so the two cannot
   drift. The plugin's repair statistics become one ``logger.warning`` per process, prefixed
   ``vllm-mmcache-fix:``;
 * it makes ``get_lru_cache`` build ``_FixedLRUCache`` instead of ``LRUCache``.
@@ -51,8 +51,8 @@ SCRIPTS_DIR = Path(__file__).resolve().parent
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
-from vllm_mmcache_fix import fixed_cache  # noqa: E402
-from vllm_mmcache_fix.source_patch import (  # noqa: E402
+from vllm_mmcache_fix.every_process.lru_eviction import cache as fixed_cache  # noqa: E402
+from vllm_mmcache_fix.tools.source_patch import (  # noqa: E402
     INDEX_NAME,
     SCHEMA_VERSION,
     PatchError,
@@ -514,7 +514,7 @@ def build(versions: Sequence[str], roots: dict[str, Path]) -> dict[str, bytes]:
         "schema_version": SCHEMA_VERSION,
         "fix": FIX_ID,
         "generated_by": "scripts/make_patches.py",
-        "class_source": "vllm_mmcache_fix/fixed_cache.py:FixedLRUMixin",
+        "class_source": "vllm_mmcache_fix/every_process/lru_eviction/cache.py:FixedLRUMixin",
         "naming": (
             f"vllm-<first>-{FIX_ID}.diff covers one release; "
             f"vllm-<first>_<last>-{FIX_ID}.diff covers the consecutive releases listed in "

@@ -34,7 +34,7 @@ for _p in (str(ROOT), str(TESTS)):
 
 import realsrc  # noqa: E402
 
-from vllm_mmcache_fix.fixed_cache import QUIET_ATTR, fixed_lru_class  # noqa: E402
+from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR, fixed_lru_class  # noqa: E402
 
 SIZES = (1_000, 3_000, 10_000, 30_000, 100_000)
 

@@ -26,10 +26,11 @@ import vllm.multimodal.processing as mm_processing  # noqa: E402
 import vllm.v1.engine.async_llm  # noqa: E402,F401
 import vllm.v1.engine.input_processor  # noqa: E402,F401
 
-from vllm_mmcache_fix import drift  # noqa: E402
+from vllm_mmcache_fix.api_server import drift_guard as drift  # noqa: E402
+from vllm_mmcache_fix.api_server.drift_guard import records  # noqa: E402
 
 out: dict[str, object] = {"vllm": vllm.__version__}
-status = drift.install_drift_fix()
+status = drift.install()
 out["patched"] = sorted(status["patched"])
 
 mod = mm_lru or mm_cache
@@ -77,15 +78,15 @@ def deliver(hashes: list[str], mm_kwargs) -> str:
 
 def accept(hashes: list[str]) -> str:
     mm_kwargs = process(hashes)
-    for record in drift._records({"mm_kwargs": mm_kwargs}, []):
+    for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
         record.journal.shadow.commit(record.journal)
     return deliver(hashes, mm_kwargs)
 
 
 def reject(hashes: list[str]) -> None:
     mm_kwargs = process(hashes)
-    for record in drift._records({"mm_kwargs": mm_kwargs}, []):
-        drift._rollback(record.journal, "test")
+    for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
+        records.rollback(record.journal, "test")
 
 
 def orders() -> tuple[list[str], list[str]]:

@@ -5,27 +5,42 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_mmcache_fix import catalogue, drift, locate, patching
+from vllm_mmcache_fix import catalogue, plugin, vllm_layout
+from vllm_mmcache_fix.api_server.drift_guard import fix as drift_fix
+from vllm_mmcache_fix.every_process.lru_eviction import factory
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
+while not (REPO / "pyproject.toml").is_file():
+    REPO = REPO.parent
 
 
 def test_every_patch_the_code_can_apply_is_catalogued() -> None:
     ids = {spec.id for spec in catalogue.CATALOGUE}
-    code_ids = {patching.PATCH_FIX} | {f"{drift.PATCH_PREFIX}-{t.name}" for t in drift.TARGETS}
+    code_ids = {factory.PATCH_FIX} | {
+        drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS
+    }
     assert ids == code_ids
 
 
-def test_factory_targets_match_locate() -> None:
-    spec = catalogue.by_id(patching.PATCH_FIX)
-    expected = tuple(f"{module}.{owner}.{locate.FACTORY}" for module, owner, _ in locate.CANDIDATES)
+def test_each_row_names_its_fix_and_where_it_runs() -> None:
+    fixes = {fix.id: fix for fix in plugin.FIXES}
+    for spec in catalogue.CATALOGUE:
+        assert spec.fix in fixes, spec.id
+        assert spec.runs_in == fixes[spec.fix].runs_in, spec.id
+
+
+def test_factory_targets_match_the_layout_table() -> None:
+    spec = catalogue.by_id(factory.PATCH_FIX)
+    expected = tuple(
+        f"{c.module}.{c.owner}.{vllm_layout.MM_CACHE_FACTORY}" for c in vllm_layout.FACTORY_LAYOUTS
+    )
     assert spec.targets == expected
 
 
-def test_drift_targets_match_drift_module() -> None:
-    for target in drift.TARGETS:
-        spec = catalogue.by_id(f"{drift.PATCH_PREFIX}-{target.name}")
-        classes = [f"{module}.{cls}" for module, cls in target.candidates]
+def test_drift_targets_match_the_layout_table() -> None:
+    for target in vllm_layout.DRIFT_TARGETS:
+        spec = catalogue.by_id(drift_fix.patch_id(target.name))
+        classes = [f"{c.module}.{c.cls}" for c in target.candidates]
         for text, cls in zip(spec.targets, classes, strict=True):
             assert text == cls or text.startswith(cls + "."), (text, cls)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mmcache_fix.diagnose import (
+from vllm_mmcache_fix.tools.diagnose import (
     EXIT_CODES,
     EXIT_ERROR,
     Classification,

@@ -12,7 +12,10 @@ import drift_sim
 import pytest
 from venvs import VERSIONS, python, vllm_venv
 
-from vllm_mmcache_fix import drift
+from vllm_mmcache_fix import plugin
+from vllm_mmcache_fix.api_server import drift_guard as drift
+from vllm_mmcache_fix.api_server.drift_guard import recovery, sender
+from vllm_mmcache_fix.core import log
 
 LRU_VERSION = "0.24.0"  # touch() of a missing key adds nothing from here on
 
@@ -24,7 +27,7 @@ def modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
     try:
         yield mods
     finally:
-        drift.uninstall_drift_fix()
+        drift.uninstall()
         drift_sim.remove_modules()
 
 
@@ -58,7 +61,7 @@ def test_simulation_shows_the_incident_without_the_fix(modules, new_style: bool)
 
 @pytest.mark.parametrize("new_style", [False, True])
 def test_rejected_request_is_undone(modules, new_style: bool) -> None:
-    drift.install_drift_fix()
+    drift.install()
     assert set(drift.status()["patched"]) == {"sender", "processor", "process_inputs", "generate"}
     world = drift_sim.World(modules, new_style=new_style)
     assert statuses(world, INCIDENT) == [400, 200, 200]
@@ -70,7 +73,7 @@ def test_rejected_request_is_undone(modules, new_style: bool) -> None:
 
 
 def test_rollback_restores_order_and_evicted_entries(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=3)
     assert statuses(world, [(["a"], False), (["b"], False), (["c"], False)]) == [200] * 3
     before = world.p0_order()
@@ -88,7 +91,7 @@ def test_rollback_restores_order_and_evicted_entries(modules) -> None:
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("new_style", [False, True])
 def test_random_traffic_stays_in_step(modules, seed: int, new_style: bool) -> None:
-    drift.install_drift_fix()
+    drift.install()
     rng = random.Random(seed)
     world = drift_sim.World(modules, capacity=4, new_style=new_style)
     pool = [f"img{i}" for i in range(9)]
@@ -114,7 +117,7 @@ def test_random_traffic_drifts_without_the_fix(modules, seed: int) -> None:
 @pytest.mark.parametrize("new_style", [False, True])
 def test_recovery_resends_with_data(modules, monkeypatch, new_style: bool) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "recover")
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, new_style=new_style)
     # Without prevention the 400 leaves "x" in P0 only; the next request drifts and is
     # re-sent with the data before anything reaches the client.
@@ -132,7 +135,7 @@ def test_recovery_resends_with_data(modules, monkeypatch, new_style: bool) -> No
 
 def test_recovery_of_a_two_image_request_with_one_drifted(modules, monkeypatch) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "recover")
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=4)
     plan = [(["a"], False), (["b"], True), (["a", "b"], False), (["b", "c"], False)]
     assert statuses(world, plan) == [200, 400, 200, 200]
@@ -142,7 +145,7 @@ def test_recovery_of_a_two_image_request_with_one_drifted(modules, monkeypatch) 
 
 def test_prevention_and_recovery_together_under_random_drift(modules) -> None:
     """Drift from another cause (P0 forgets an item P1 still has) is recovered."""
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=3)
     assert statuses(world, [(["a"], False), (["b"], False)]) == [200, 200]
     # Simulate an unknown cause: P1 lost "a" while P0 still has it.
@@ -154,7 +157,7 @@ def test_prevention_and_recovery_together_under_random_drift(modules) -> None:
 
 
 def test_in_flight_insert_is_not_trusted_by_other_requests(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules)
     first = world.render(["x"], text_len=100)  # processed, not yet checked
     second = world.render(["x"])  # concurrent request with the same image
@@ -175,7 +178,7 @@ def test_in_flight_insert_is_not_trusted_by_other_requests(modules) -> None:
 
 
 def test_input_dropped_before_the_engine_is_rolled_back(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules)
     world.render(["x"])  # e.g. the server rejected the request before generate()
     assert "x" in world.p0_keys()
@@ -187,7 +190,7 @@ def test_input_dropped_before_the_engine_is_rolled_back(modules) -> None:
 
 
 def test_clear_cache_voids_pending_journals(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules)
     prompt = world.render(["x"], text_len=100)
     world.sender.clear_cache()
@@ -203,7 +206,7 @@ async def _consume(stream) -> list:
 
 
 def test_other_sender_classes_are_left_alone(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     cache_mod = modules["vllm.multimodal.cache"]
     shm = cache_mod.ShmObjectStoreSenderCache(4)
     assert "get_and_update_item" in type(shm).__dict__
@@ -219,20 +222,20 @@ def test_other_sender_classes_are_left_alone(modules) -> None:
 
 def test_off_mode_patches_nothing(modules, monkeypatch) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "off")
-    st = drift.install_drift_fix()
+    st = drift.install()
     assert st["patched"] == {} and st["mode"] == "off"
 
 
 def test_bad_mode_falls_back_to_on(modules, monkeypatch) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "sometimes")
-    st = drift.install_drift_fix()
+    st = drift.install()
     assert st["mode"] == "on"
     assert any("sometimes" in p for p in st["problems"])
 
 
 def test_unknown_layout_applies_nothing_for_that_target(modules) -> None:
     del modules["vllm.v1.engine.input_processor"].InputProcessor.process_inputs
-    st = drift.install_drift_fix()
+    st = drift.install()
     assert "process_inputs" not in st["patched"]
     assert any("process_inputs" in p for p in st["problems"])
     # Without a commit point no journal is kept: the cache behaves as vLLM's own.
@@ -247,32 +250,32 @@ def test_unknown_layout_applies_nothing_for_that_target(modules) -> None:
 
 def test_patch_when_module_is_imported_later(modules) -> None:
     later = sys.modules.pop("vllm.v1.engine.async_llm")
-    st = drift.install_drift_fix()
+    st = drift.install()
     assert "generate" not in st["patched"]
-    assert drift._state.hook is not None
+    assert plugin.DRIFT_GUARD._subscription is not None
     # What the import hook does once the module has executed:
     sys.modules["vllm.v1.engine.async_llm"] = later
-    drift._on_import("vllm.v1.engine.async_llm")
+    plugin.DRIFT_GUARD._on_import("vllm.v1.engine.async_llm")
     assert "generate" in drift.status()["patched"]
-    assert drift._state.hook is None
+    assert plugin.DRIFT_GUARD._subscription is None
 
 
 def test_uninstall_restores_vllm(modules) -> None:
     cls = modules["vllm.multimodal.cache"].MultiModalProcessorSenderCache
     original = cls.__dict__["get_and_update_item"]
-    drift.install_drift_fix()
+    drift.install()
     assert cls.__dict__["get_and_update_item"] is not original
     world = drift_sim.World(modules)
     statuses(world, [(["x"], False)])
-    drift.uninstall_drift_fix()
+    drift.uninstall()
     assert cls.__dict__["get_and_update_item"] is original
     assert "popitem" not in world.sender._cache.__dict__
 
 
 def test_drift_is_logged_rate_limited(modules, monkeypatch, caplog) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "recover")
-    monkeypatch.setattr(drift, "_drift_limiter", drift._log.RateLimiter(3600))
-    drift.install_drift_fix()
+    monkeypatch.setattr(recovery, "_drift_limiter", log.RateLimiter(3600))
+    drift.install()
     world = drift_sim.World(modules)
     with caplog.at_level("INFO", logger="vllm.mmcache_fix"):
         statuses(world, INCIDENT + [(["z"], True), (["z"], False)])
@@ -315,7 +318,7 @@ def test_real_vllm_classes(version: str) -> None:
 
 def test_late_rollback_after_other_evictions_keeps_p0_within_p1(modules) -> None:
     """A rejected request resolved after later evictions restores nothing stale."""
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=3)
     assert statuses(world, [(["a"], False), (["b"], False), (["c"], False)]) == [200] * 3
     pending = world.render(["d"], text_len=100)  # evicts "a"; not checked yet
@@ -329,7 +332,7 @@ def test_late_rollback_after_other_evictions_keeps_p0_within_p1(modules) -> None
 
 @pytest.mark.parametrize("order", ["first-rejected-first", "second-rejected-first"])
 def test_two_interleaved_rejections(modules, order: str) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=4)
     assert statuses(world, [(["a"], False), (["b"], False)]) == [200, 200]
     first = world.render(["a", "x"], text_len=100)
@@ -346,7 +349,7 @@ def test_two_interleaved_rejections(modules, order: str) -> None:
 
 
 def test_a_processor_only_cache_is_not_tracked(modules) -> None:
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules)
     statuses(world, [(["x"], False)])
 
@@ -358,14 +361,14 @@ def test_a_processor_only_cache_is_not_tracked(modules) -> None:
     other = ProcessorOnlyCache()
     processing = modules["vllm.multimodal.processing"]
     processing.BaseMultiModalProcessor(other).apply(processing.ProcessorInputs([("y", 1)], 4))
-    assert drift._SHADOW_ATTR not in other.__dict__
+    assert sender.SHADOW_ATTR not in other.__dict__
     assert "popitem" not in other._cache.__dict__
 
 
 @pytest.mark.parametrize("resolved", ["after-reuse", "before-reuse"])
 def test_late_rejection_that_moved_a_cached_key(modules, resolved: str) -> None:
     """A rejected request resolved late moved "a" in P0 only; P1 evicted "a" meanwhile."""
-    drift.install_drift_fix()
+    drift.install()
     world = drift_sim.World(modules, capacity=3)
     assert statuses(world, [(["a"], False), (["b"], False), (["c"], False)]) == [200] * 3
     pending = world.render(["a"], text_len=100)  # moves "a" to most-recent in P0 only

@@ -16,7 +16,7 @@ What runs where:
   until eviction, ``clear()``) must finish on the patched side; on the unpatched side the
   eviction must still be running when the subprocess is killed, with the cache state
   unchanged over 0.7 s and the data-less key at the LRU end.
-* Regeneration, and the applier (``vllm_mmcache_fix.source_patch``) on copies of real
+* Regeneration, and the applier (``vllm_mmcache_fix.tools.source_patch``) on copies of real
   files: wrong version, modified file, already applied, revert.
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import realsrc
 
-from vllm_mmcache_fix import source_patch
-from vllm_mmcache_fix.source_patch import (
+from vllm_mmcache_fix.tools import source_patch
+from vllm_mmcache_fix.tools.source_patch import (
     EXIT_MISMATCH,
     EXIT_NO_VLLM,
     EXIT_NOT_APPLIED,

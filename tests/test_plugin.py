@@ -79,7 +79,7 @@ def test_patch_before_import(tree, layout: str) -> None:
         cache = m.MultiModalCache.get_lru_cache(1024 / (1 << 30), bytes)
         from vllm_mmcache_fix import plugin
         report(waiting=waiting, cls=type(cache).__name__, progress=ghost_sequence(cache),
-               hook=plugin._state.hook is not None, loader=type(m.__loader__).__name__)
+               hook=plugin.LRU_EVICTION._subscription is not None, loader=type(m.__loader__).__name__)
         """,
     )
     assert result["waiting"] is True
@@ -96,7 +96,7 @@ def test_register_twice_patches_once(tree) -> None:
         """
         import vllm.multimodal.cache as m
         import vllm_mmcache_fix
-        from vllm_mmcache_fix import registry
+        from vllm_mmcache_fix.core import registry
         vllm_mmcache_fix.register(); vllm_mmcache_fix.register()
         cache = m.MultiModalCache.get_lru_cache(1.0, bytes)
         report(patches=len(registry.applied()), mro=[c.__name__ for c in type(cache).__mro__])
@@ -240,7 +240,7 @@ def test_mode_off_does_nothing(tree) -> None:
         import vllm_mmcache_fix
         vllm_mmcache_fix.register()
         report(cls=type(m.MultiModalCache.get_lru_cache(4.0, bytes)).__name__,
-               hooks=len(vllm_mmcache_fix.importhook.active_hooks()))
+               hooks=len(vllm_mmcache_fix.core.imports.active()))
         """,
         env={"MMCACHE_FIX_MODE": "off"},
     )
@@ -316,7 +316,7 @@ def test_importing_the_package_does_not_import_vllm(tree) -> None:
     result = run_snippet(
         root,
         """
-        import vllm_mmcache_fix, vllm_mmcache_fix.cli, vllm_mmcache_fix.check
+        import vllm_mmcache_fix, vllm_mmcache_fix.tools.cli, vllm_mmcache_fix.tools.check
         report(vllm=[m for m in sys.modules if m == "vllm" or m.startswith("vllm.")])
         """,
     )

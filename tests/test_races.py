@@ -59,7 +59,7 @@ def test_locked_prototype_keeps_the_api() -> None:
     """The lock wrapper changes no result of a single-threaded request stream."""
     import realsrc
 
-    from vllm_mmcache_fix.fixed_cache import fixed_lru_class
+    from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
 
     base = realsrc.load_lru_module("0.33.0").LRUCache
     fixed = race_probe.new_cache(fixed_lru_class(base), 16)

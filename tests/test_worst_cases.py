@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import realsrc
 
-from vllm_mmcache_fix.fixed_cache import QUIET_ATTR, fixed_lru_class
+from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.33.0")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "worst_cases.py"

@@ -1,14 +1,47 @@
 """vllm-mmcache-fix: multimodal processor caches that cannot freeze vLLM.
 
-Installed next to vLLM, the ``mmcache_fix`` general plugin replaces the LRU
-behind vLLM's multimodal processor caches with one whose eviction always
-makes progress. Importing this package never imports vLLM.
+Installed next to vLLM, the ``mmcache_fix`` general plugin installs two fixes:
+
+- ``every_process/lru_eviction``: the LRU behind vLLM's multimodal processor
+  caches gets an eviction that always makes progress (every process);
+- ``api_server/drift_guard``: the API server's sender cache stays in step with
+  EngineCore's, and a request EngineCore cannot serve is re-sent with its
+  data (API server only).
+
+``core/`` holds what they share, ``tools/`` the operator commands (``check``,
+``diagnose``, ``patch``), ``catalogue`` and ``vllm_layout`` the data.
+Importing this package never imports vLLM.
 """
 
 from __future__ import annotations
 
-from .plugin import instrument, register, status, uninstrument
+from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__", "instrument", "register", "status", "uninstrument"]
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (see :mod:`vllm_mmcache_fix.plugin`)."""
+    from .plugin import register as _register
+
+    _register()
+
+
+def instrument() -> dict[str, Any]:
+    from .plugin import instrument as _instrument
+
+    return _instrument()
+
+
+def uninstrument() -> None:
+    from .plugin import uninstrument as _uninstrument
+
+    _uninstrument()
+
+
+def status() -> dict[str, Any]:
+    from .plugin import status as _status
+
+    return _status()

@@ -1,7 +1,9 @@
 """What this package patches, why, and when each patch can go.
 
-One row per patch, as data; ``tests/test_catalogue.py`` keeps the rows, the
-code and the files under ``patches/`` in step.
+One row per patch, as data: what it patches, in which process it acts, why,
+the upstream threads, and when it can be removed. ``tests/unit/test_catalogue.py``
+keeps the rows, the code (``plugin.FIXES``, ``vllm_layout``) and the files
+under ``patches/`` in step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PatchSpec:
     id: str
+    fix: str
+    """The fix (``plugin.FIXES``) that applies this patch."""
+    runs_in: str
+    """The processes where the patch acts."""
     targets: tuple[str, ...]
     """Where the patch lands, newest layout first (see locate.py)."""
     why: str
@@ -28,6 +34,8 @@ class PatchSpec:
 CATALOGUE: tuple[PatchSpec, ...] = (
     PatchSpec(
         id="mm-lru-eviction",
+        fix="mm-lru-eviction",
+        runs_in="every process",
         targets=(
             "vllm.multimodal.cache.base.MultiModalCache.get_lru_cache",
             "vllm.multimodal.cache.MultiModalCache.get_lru_cache",
@@ -50,8 +58,8 @@ CATALOGUE: tuple[PatchSpec, ...] = (
             "ghost key: every release up to 0.33.0"
         ),
         detection=(
-            "probe.probe_touch / probe.probe_popitem on the LRUCache class the factory "
-            "module builds"
+            "lru_eviction.probe.probe_touch / probe_popitem on the LRUCache class the "
+            "factory module builds"
         ),
         removal=(
             "when every vLLM you run has a popitem that removes an item or raises on an "
@@ -61,6 +69,8 @@ CATALOGUE: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         id="mm-drift-sender",
+        fix="mm-drift-guard",
+        runs_in="API server",
         targets=(
             "vllm.multimodal.cache.lru.LruKeyReplicatedSenderCache",
             "vllm.multimodal.cache.MultiModalProcessorSenderCache",
@@ -70,7 +80,11 @@ CATALOGUE: tuple[PatchSpec, ...] = (
             "sends data=None for items it believes EngineCore holds. Its changes are "
             "journaled per request so a request rejected after processing can be undone "
             "(membership and LRU order), and keys a request added stay invisible to other "
-            "requests until that request reaches EngineCore."
+            "requests until that request reaches EngineCore. One deliberate difference from "
+            "vLLM: for a key the guard itself made look uncached, get_and_update_item returns "
+            "the caller's data where vLLM returns None, so EngineCore gets it; for every other "
+            "key vLLM's result is returned as it is. An internal error in this bookkeeping "
+            "switches the guard off for good and leaves vLLM's call and result untouched."
         ),
         upstream=(
             "vllm-project/vllm#43941 (400 then 500 for the same image)",
@@ -78,13 +92,15 @@ CATALOGUE: tuple[PatchSpec, ...] = (
             "vllm-project/vllm#46451, #51897 (P0 rollback, closed unmerged)",
         ),
         affected="every release with the LRU sender cache; the shm sender cache is left alone",
-        detection="feature detection of the class and its cache methods (drift.TARGETS)",
+        detection="feature detection of the class and its cache methods (vllm_layout.DRIFT_TARGETS)",
         removal="when vLLM rolls the sender cache back on rejection and never answers a drift "
         "with an error",
         source_patches=False,
     ),
     PatchSpec(
         id="mm-drift-processor",
+        fix="mm-drift-guard",
+        runs_in="API server",
         targets=(
             "vllm.multimodal.processing.processor.BaseMultiModalProcessor",
             "vllm.multimodal.processing.BaseMultiModalProcessor",
@@ -95,12 +111,14 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         ),
         upstream=("vllm-project/vllm#43941",),
         affected="every release with _merge_mm_kwargs",
-        detection="feature detection (drift.TARGETS)",
+        detection="feature detection (vllm_layout.DRIFT_TARGETS)",
         removal="with mm-drift-sender",
         source_patches=False,
     ),
     PatchSpec(
         id="mm-drift-process_inputs",
+        fix="mm-drift-guard",
+        runs_in="API server",
         targets=(
             "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
             "vllm.v1.engine.processor.Processor.process_inputs",
@@ -111,12 +129,14 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         ),
         upstream=("vllm-project/vllm#43941",),
         affected="every release with the V1 input processor",
-        detection="feature detection (drift.TARGETS)",
+        detection="feature detection (vllm_layout.DRIFT_TARGETS)",
         removal="with mm-drift-sender",
         source_patches=False,
     ),
     PatchSpec(
         id="mm-drift-generate",
+        fix="mm-drift-guard",
+        runs_in="API server",
         targets=("vllm.v1.engine.async_llm.AsyncLLM.generate",),
         why=(
             "Recovery: when the first output of a request that sent items without data is an "
@@ -125,7 +145,7 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         ),
         upstream=("vllm-project/vllm#46747",),
         affected="every release with AsyncLLM",
-        detection="feature detection (drift.TARGETS)",
+        detection="feature detection (vllm_layout.DRIFT_TARGETS)",
         removal="when vLLM re-sends drifted items itself",
         source_patches=False,
     ),

@@ -12,7 +12,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from . import registry
+from ...core import registry
+from ...core.signatures import SignatureMismatch, reader
 from .locate import FACTORY, CacheFactory
 
 PATCH_FIX = "mm-lru-eviction"
@@ -22,8 +23,25 @@ PATCH_OBSERVE = "mm-lru-observe"
 OnBuild = Callable[[Any, "float | None"], Any]
 
 
-def _capacity(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
-    value = args[0] if args else kwargs.get("capacity_gb")
+CAPACITY_PARAM = "capacity_gb"
+
+
+def capacity_reader(func: Any, *, bound: bool) -> Any:
+    """How to read ``capacity_gb`` from the factory's arguments, checked on its signature.
+
+    The capacity only feeds the start-up warning: a factory without it gets the
+    fix all the same, with the capacity unknown (None).
+    """
+    try:
+        return reader(func, CAPACITY_PARAM, what=FACTORY, skip=1 if bound else 0)
+    except SignatureMismatch:
+        return None
+
+
+def _capacity(arg: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+    if arg is None:
+        return None
+    value = arg.get(args, kwargs)
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -47,18 +65,19 @@ def build_wrapper(
     raw = factory.owner.__dict__[FACTORY]
     func = raw.__func__
     handle = _guarded(on_build, on_error)
+    position = capacity_reader(func, bound=factory.kind == "classmethod")
 
     if factory.kind == "classmethod":
 
         @functools.wraps(func)
         def get_lru_cache(cls: type, *args: Any, **kwargs: Any) -> Any:
-            return handle(func(cls, *args, **kwargs), _capacity(args, kwargs))
+            return handle(func(cls, *args, **kwargs), _capacity(position, args, kwargs))
 
         return classmethod(get_lru_cache)
 
     @functools.wraps(func)
     def get_lru_cache_static(*args: Any, **kwargs: Any) -> Any:
-        return handle(func(*args, **kwargs), _capacity(args, kwargs))
+        return handle(func(*args, **kwargs), _capacity(position, args, kwargs))
 
     return staticmethod(get_lru_cache_static)
 

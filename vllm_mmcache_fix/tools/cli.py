@@ -1,6 +1,7 @@
 """Command line: ``vllm-mmcache-fix check | diagnose | patch``.
 
-The only module that prints.
+The only module of the package that prints; ``check``, ``diagnose`` and
+``source_patch`` compute and return values.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import contextlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from ..core.messages import PREFIX
 
 EXIT_USAGE = 2
 
@@ -83,6 +87,61 @@ def cmd_check(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def cmd_patch(args: argparse.Namespace) -> int:
+    from . import source_patch as sp
+
+    try:
+        if args.check:
+            outcome = sp.inspect_tree(
+                args.root, patches_dir=args.patches_dir, version=args.vllm_version
+            )
+        elif args.revert:
+            outcome = sp.revert(
+                args.root, patches_dir=args.patches_dir, version=args.vllm_version, tool=args.tool
+            )
+        else:
+            outcome = sp.apply(
+                args.root, patches_dir=args.patches_dir, version=args.vllm_version, tool=args.tool
+            )
+    except (OSError, ValueError, KeyError) as exc:
+        outcome = sp.Outcome(sp.EXIT_ERROR, f"{type(exc).__name__}: {exc}")
+    if args.json:
+        print(json.dumps(outcome.as_dict(), indent=2))
+    else:
+        ok = outcome.exit_code in (sp.EXIT_OK, sp.EXIT_NOT_APPLIED)
+        stream = sys.stdout if ok else sys.stderr
+        print(f"{PREFIX}{outcome.message}", file=stream)
+        for line in outcome.details:
+            print(f"  {line}", file=stream)
+    return outcome.exit_code
+
+
+def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="directory containing vllm/ (a site-packages dir or a vLLM checkout); "
+        "default: where the installed vllm package is",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="only report; change nothing")
+    mode.add_argument("--revert", action="store_true", help="undo the patch")
+    parser.add_argument(
+        "--patches-dir", type=Path, default=None, help="directory with index.json and the diffs"
+    )
+    parser.add_argument(
+        "--vllm-version", default=None, help="use this version instead of reading the tree's"
+    )
+    parser.add_argument(
+        "--tool",
+        choices=("auto", "patch", "python"),
+        default="auto",
+        help="apply with patch(1) or the built-in applier (auto: patch if installed)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from . import diagnose
 
@@ -116,21 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dump")
     diag.add_argument("--json", action="store_true", help="machine-readable output")
     diag.set_defaults(func=cmd_diagnose)
-    # Parsed by source_patch itself (see main); listed here for --help.
-    sub.add_parser(
+    patch = sub.add_parser(
         "patch",
         help="apply/check/revert the source patch on the installed vLLM, for images "
-        "where plugins are filtered out (`patch --help` for its options)",
+        "where plugins are filtered out",
+        description="Apply the vllm-mmcache-fix source patch to a vLLM tree "
+        "(for images that cannot load vLLM plugins).",
     )
+    add_patch_arguments(patch)
+    patch.set_defaults(func=cmd_patch)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["patch"]:
-        from . import source_patch
-
-        return source_patch.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args))

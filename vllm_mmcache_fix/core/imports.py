@@ -1,9 +1,10 @@
-"""Run a callback right after a given module finishes importing.
+"""The one owner of import hooks: run callbacks right after modules import.
 
 vLLM loads general plugins after ``vllm.multimodal.cache`` is imported in the
 processes seen so far, but a plugin must not rely on import order, nor import
 a heavy module itself (the plugin also runs for ``vllm serve --help``). When
-the target is not imported yet, this hook patches it the moment it is.
+a target is not imported yet, its fix subscribes here and patches it the
+moment it is. Every fix shares one finder in ``sys.meta_path``.
 """
 
 from __future__ import annotations
@@ -45,16 +46,24 @@ class _NotifyingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class PostImportHook(importlib.abc.MetaPathFinder):
+class _Subscription:
+    __slots__ = ("names", "callback")
+
     def __init__(self, names: Iterable[str], callback: Callback) -> None:
         self.names = frozenset(names)
         self.callback = callback
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """The package's one entry in ``sys.meta_path``; fans out to subscriptions."""
+
+    def __init__(self) -> None:
         self._local = threading.local()
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.names or getattr(self._local, "busy", False):
+        if fullname not in _watched() or getattr(self._local, "busy", False):
             return None
         self._local.busy = True
         try:
@@ -69,32 +78,54 @@ class PostImportHook(importlib.abc.MetaPathFinder):
             self._local.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = _NotifyingLoader(spec.loader, self.callback)
+        spec.loader = _NotifyingLoader(spec.loader, _notify)
         return spec
 
 
-_hooks: list[PostImportHook] = []
+_lock = threading.RLock()
+_subscriptions: list[_Subscription] = []
+_finder = _PostImportFinder()
 
 
-def when_imported(names: Iterable[str], callback: Callback) -> PostImportHook:
+def _watched() -> frozenset[str]:
+    with _lock:
+        return frozenset().union(*(s.names for s in _subscriptions))
+
+
+def _notify(name: str) -> None:
+    with _lock:
+        targets = [s.callback for s in _subscriptions if name in s.names]
+    for callback in targets:
+        callback(name)
+
+
+def when_imported(names: Iterable[str], callback: Callback) -> _Subscription:
     """Call ``callback(name)`` after any of ``names`` is imported from now on."""
-    hook = PostImportHook(names, callback)
-    sys.meta_path.insert(0, hook)
-    _hooks.append(hook)
-    return hook
+    sub = _Subscription(names, callback)
+    with _lock:
+        _subscriptions.append(sub)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+    return sub
 
 
-def remove_hook(hook: PostImportHook) -> None:
-    if hook in sys.meta_path:
-        sys.meta_path.remove(hook)
-    if hook in _hooks:
-        _hooks.remove(hook)
+def cancel(sub: _Subscription | None) -> None:
+    if sub is None:
+        return
+    with _lock:
+        if sub in _subscriptions:
+            _subscriptions.remove(sub)
+        if not _subscriptions and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
 
 
-def remove_hooks() -> None:
-    for hook in list(_hooks):
-        remove_hook(hook)
+def cancel_all() -> None:
+    with _lock:
+        for sub in list(_subscriptions):
+            cancel(sub)
 
 
-def active_hooks() -> list[PostImportHook]:
-    return [hook for hook in _hooks if hook in sys.meta_path]
+def active() -> list[_Subscription]:
+    """Subscriptions still waiting (empty once every target was patched)."""
+    with _lock:
+        return list(_subscriptions) if _finder in sys.meta_path else []

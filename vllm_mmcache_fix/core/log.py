@@ -12,8 +12,9 @@ import logging
 import threading
 import time
 
+from .messages import PREFIX
+
 LOGGER_NAME = "vllm.mmcache_fix"
-PREFIX = "vllm-mmcache-fix: "
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -37,6 +38,11 @@ def warning(msg: str, *args: object) -> None:
 
 def debug(msg: str, *args: object) -> None:
     logger.debug(PREFIX + msg, *args)
+
+
+def exception(msg: str, exc: BaseException, *args: object) -> None:
+    """A WARNING with ``exc``'s traceback attached."""
+    logger.warning(PREFIX + msg, *args, exc_info=(type(exc), exc, exc.__traceback__))
 
 
 class RateLimiter:

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
-from .config import ENV_MODE, Mode, read_mode
-from .probe import Exposure, probe
+from ..core.settings import ENV_MODE, Mode, read_mode
+from ..every_process.lru_eviction.probe import Exposure, probe
+from ..vllm_layout import MM_CACHE_FACTORY
 
 SCHEMA_VERSION = 1
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -92,7 +93,7 @@ def _entry_point_found() -> bool:
 
 
 def _probe_installed(report: CheckReport) -> Exposure | None:
-    from .locate import LayoutNotFound, locate_lru_class
+    from ..every_process.lru_eviction.locate import LayoutNotFound, locate_lru_class
 
     try:
         cls = locate_lru_class(import_modules=True)
@@ -104,9 +105,10 @@ def _probe_installed(report: CheckReport) -> Exposure | None:
 
 def _trial_patch(report: CheckReport) -> bool:
     """Apply the plugin in this process, build one cache through vLLM's factory, revert."""
-    from . import fixed_cache, registry
-    from .locate import LayoutNotFound, locate_mm_cache_factory
-    from .patching import PATCH_FIX, wrap_factory
+    from ..core import registry
+    from ..every_process.lru_eviction import cache as fixed_cache
+    from ..every_process.lru_eviction.factory import PATCH_FIX, wrap_factory
+    from ..every_process.lru_eviction.locate import LayoutNotFound, locate_mm_cache_factory
 
     try:
         factory = locate_mm_cache_factory(import_modules=True)
@@ -125,17 +127,17 @@ def _trial_patch(report: CheckReport) -> bool:
         built.append(fixed_cache.upgrade(cache))
         return cache
 
-    was_patched = registry.is_patched(factory.owner, "get_lru_cache")
+    was_patched = registry.is_patched(factory.owner, MM_CACHE_FACTORY)
     if not was_patched:
         wrap_factory(PATCH_FIX, factory, on_build, errors.append)
     try:
-        cache = factory.owner.get_lru_cache(0.0001, object)
+        cache = getattr(factory.owner, MM_CACHE_FACTORY)(0.0001, object)
     except Exception as exc:
-        report.problems.append(f"vLLM's get_lru_cache failed: {exc!r}")
+        report.problems.append(f"vLLM's {MM_CACHE_FACTORY} failed: {exc!r}")
         return False
     finally:
         if not was_patched:
-            registry.revert(factory.owner, "get_lru_cache")
+            registry.revert(factory.owner, MM_CACHE_FACTORY)
     if errors:
         report.problems.append(f"patch hook failed: {errors[0]!r}")
         return False

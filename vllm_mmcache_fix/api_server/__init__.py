@@ -1,0 +1,1 @@
+"""Fixes that act in the API-server process only."""

@@ -1,0 +1,43 @@
+"""The one per-request context the wrappers share, explicit instead of loose thread-locals.
+
+vLLM processes a request's multimodal items on one thread, nested:
+``process_inputs`` (EngineCore request built) ⊃ ``apply`` (processor run) ⊃
+``_merge_mm_kwargs`` (sender cache updated). Each wrapper sets its field of
+this thread's :class:`RequestScope` for the duration of its call and puts
+the previous value back, so a nested or re-entrant call sees its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .journal import Journal
+
+
+class RequestScope:
+    __slots__ = ("journal", "replay", "collector", "bypassed")
+
+    def __init__(self) -> None:
+        self.journal: Journal | None = None
+        """The journal of the sender-cache update in progress (inside ``_merge_mm_kwargs``)."""
+        self.replay: Any = None
+        """Re-runs the processor on this request's inputs (inside ``apply``)."""
+        self.collector: list[Any] | None = None
+        """Processed inputs produced inside ``process_inputs``."""
+        self.bypassed: set[Any] = set()
+        """Keys the guard reported as not cached though vLLM's cache holds them: their
+        data goes to EngineCore even though the sender cache has them."""
+
+
+_local = threading.local()
+
+
+def scope() -> RequestScope:
+    """This thread's scope."""
+    try:
+        return _local.scope  # type: ignore[no-any-return]
+    except AttributeError:
+        current = _local.scope = RequestScope()
+        return current

@@ -1,0 +1,193 @@
+"""Lifecycle of the drift guard: find its targets, wrap them, switch off on internal error."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ...core import imports, log, registry
+from ...core.lifecycle import DidNotEnable, Fix
+from ...core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
+from ...core.process import process_label
+from ...core.settings import DriftMode, read_drift_mode
+from ...core.signatures import SignatureMismatch
+from ...vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
+from . import processor, records, recovery, sender
+from .state import ERRORS, FIX_ID, STATE
+from .stats import STATS
+
+PATCH_PREFIX = "mm-drift"
+
+Wrapper = Callable[[Any], Any]
+
+WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
+    "sender": sender.WRAPPERS,
+    "processor": (("_merge_mm_kwargs", processor.wrap_merge), ("apply", processor.wrap_apply)),
+    "process_inputs": (("process_inputs", processor.wrap_process_inputs),),
+    "generate": (("generate", recovery.wrap_generate),),
+}
+"""Target name (``vllm_layout.DRIFT_TARGETS``) -> (method, wrapper factory)."""
+
+NEEDED = frozenset({"sender", "processor", "process_inputs"})
+
+
+def patch_id(target: str) -> str:
+    return f"{PATCH_PREFIX}-{target}"
+
+
+class DriftGuard(Fix):
+    id = FIX_ID
+    runs_in = "API server"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors = ERRORS
+        STATE.fix = self
+        self._subscription: Any = None
+        self.announced = False
+        self.recovery_announced = False
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def _install(self) -> None:
+        setting = read_drift_mode()
+        STATE.mode = setting.value
+        if setting.problem:
+            self.note(setting.problem)
+        if setting.value is DriftMode.OFF:
+            raise DidNotEnable("disabled by MMCACHE_FIX_DRIFT=off")
+        ERRORS.reload_faults()
+        STATE.installed = True
+        self._patch_available()
+        if len(STATE.patched) < len(DRIFT_TARGETS):
+            self._subscription = imports.when_imported(DRIFT_WATCHED_MODULES, self._on_import)
+
+    def _uninstall(self) -> None:
+        imports.cancel(self._subscription)
+        self._subscription = None
+        for target in DRIFT_TARGETS:
+            registry.revert_patch(patch_id(target.name))
+        records.clear()
+        records.shadows.clear()
+        STATE.mode = None
+        STATE.installed = False
+        STATE.tracking = False
+        STATE.switched_off = None
+        STATE.patched = {}
+        STATE.sender_types = ()
+        self.announced = False
+        self.recovery_announced = False
+        STATS.reset()
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            "mode": STATE.mode.value if STATE.mode else None,
+            "installed": STATE.installed,
+            "patched": dict(STATE.patched),
+            "tracking": STATE.live,
+            "switched_off": STATE.switched_off,
+            "pending": records.pending(),
+            "counts": STATS.as_dict(),
+        }
+
+    def switch_off(self, where: str, exc: BaseException) -> None:
+        """An internal error at ``where``: stop all tracking for good, vLLM's behaviour from
+        now on (with the eviction fix still in place)."""
+        with STATE.lock:
+            if STATE.switched_off is None:
+                STATE.switched_off = f"internal error at {where}: {exc!r}"
+            for shadow in list(records.shadows):
+                sender.detach(shadow)
+            records.clear()
+        self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
+
+    def note(self, problem: str) -> None:
+        if self.note_problem(problem):
+            log.info("drift guard: %s", problem)
+
+    # -- finding and patching --------------------------------------------------------
+
+    def _on_import(self, name: str) -> None:
+        try:
+            self._patch_available()
+            if len(STATE.patched) == len(DRIFT_TARGETS):
+                imports.cancel(self._subscription)
+                self._subscription = None
+        except Exception as exc:
+            self.note(f"internal error after importing {name}: {exc!r}")
+
+    def _patch_available(self) -> None:
+        with STATE.lock:
+            for target in DRIFT_TARGETS:
+                if target.name in STATE.patched:
+                    continue
+                cls, reason = find(target)
+                if cls is None:
+                    if reason:
+                        self.note(f"{target.name}: {reason}")
+                    continue
+                problem = self._patch(target, cls)
+                if problem is not None:
+                    self.note(f"{target.name}: not patched, {problem}")
+                    continue
+                STATE.patched[target.name] = f"{cls.__module__}.{cls.__qualname__}"
+                if target.name == "sender":
+                    STATE.sender_types = (cls,)
+            self.announce()
+
+    def _patch(self, target: DriftTarget, cls: type) -> str | None:
+        """Wrap ``cls``'s methods for ``target``; all or none. Returns why not, or None."""
+        replacements = []
+        for attr, make in WRAPPERS[target.name]:
+            original = cls.__dict__.get(attr)
+            if not callable(original):
+                continue  # optional method absent in this release
+            try:
+                replacements.append((attr, make(original)))
+            except SignatureMismatch as exc:
+                return str(exc)
+        for attr, replacement in replacements:
+            registry.apply(patch_id(target.name), cls, attr, replacement)
+        return None
+
+    def announce(self) -> None:
+        if not NEEDED <= set(STATE.patched):
+            return
+        if not log.has_destination():
+            return  # vLLM's logging is not set up yet; the sender cache retries
+        recovery_on = STATE.recovery
+        if not self.announced:
+            self.announced = True
+            log.info(
+                "%s %s (mode=%s): %s; recovery from EngineCore misses %s",
+                DRIFT_GUARD_ACTIVE,
+                process_label(),
+                STATE.mode.value if STATE.mode else "?",
+                ", ".join(f"{k}={v}" for k, v in sorted(STATE.patched.items())),
+                "on" if recovery_on else "waits for vllm.v1.engine.async_llm",
+            )
+            self.recovery_announced = recovery_on
+        elif recovery_on and not self.recovery_announced:
+            self.recovery_announced = True
+            log.info("%s %s: %s", DRIFT_RECOVERY_ACTIVE, process_label(), STATE.patched["generate"])
+
+
+def find(target: DriftTarget) -> tuple[type | None, str | None]:
+    """(class, None) when found; (None, reason) when a candidate module is loaded but unusable."""
+    reasons = []
+    for candidate in target.candidates:
+        module: ModuleType | None = sys.modules.get(candidate.module)
+        if module is None:
+            continue
+        cls = getattr(module, candidate.cls, None)
+        if not isinstance(cls, type) or cls.__module__ != candidate.module:
+            reasons.append(f"{candidate.module}: no class {candidate.cls} defined there")
+            continue
+        missing = [a for a in target.required if not callable(cls.__dict__.get(a))]
+        if missing:
+            reasons.append(f"{candidate.module}.{candidate.cls}: no {', '.join(missing)}")
+            continue
+        return cls, None
+    return None, "; ".join(reasons) or None

@@ -1,0 +1,345 @@
+"""The drift guard's algorithm: per-request journals over a shadow of the sender cache.
+
+Pure: this module imports nothing else of the package and nothing of vLLM. It
+works on any object with cachetools' private ``_Cache__data`` and
+``_LRUCache__order`` (the sender cache's ``LRUCache``), so it is tested on its
+own and on the real ``LRUCache`` of released vLLM sources.
+
+Every change a request makes to the sender cache is journaled: keys it
+inserted, keys it moved to most-recent with their previous position, entries
+evicted to make room. A commit (the request reached EngineCore) forgets the
+journal; a rollback (it never will) restores membership and LRU order exactly
+as EngineCore has them: inserted keys leave, evicted entries come back,
+touched keys return to their old position (the shadow keeps an access counter
+per key, so order is restored by sorting on it). While a request is pending,
+the keys it inserted or moved look uncached to other requests
+(:meth:`Shadow.looks_uncached`). A rollback that comes after later evictions
+cannot know what EngineCore evicted instead; the keys it moves back become
+"doubtful" and are sent with their data the next time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+PENDING, COMMITTED, ROLLED_BACK = 0, 1, 2
+
+Key = Any  # cache keys are mm hashes (str); kept loose for test doubles
+
+
+class Journal:
+    """What one request changed in one sender cache while it was processed."""
+
+    __slots__ = (
+        "shadow",
+        "epoch",
+        "state",
+        "prev_seq",
+        "my_seq",
+        "inserted",
+        "adopted",
+        "evicted",
+        "evictions_mark",
+        "sent_without_data",
+        "cleared",
+    )
+
+    def __init__(self, shadow: Shadow) -> None:
+        self.shadow = shadow
+        self.epoch = shadow.epoch
+        self.state = PENDING
+        # key -> access counter before this request first touched it (key was present)
+        self.prev_seq: dict[Key, int | None] = {}
+        # key -> access counter this request gave it last
+        self.my_seq: dict[Key, int] = {}
+        self.inserted: list[Key] = []
+        # key -> the pending journal that had inserted it before this one sent its data
+        self.adopted: dict[Key, Journal] = {}
+        # (key, value, access counter, pending owner) of entries evicted meanwhile
+        self.evicted: list[tuple[Key, Any, int | None, Journal | None]] = []
+        # The shadow's eviction count when this request's processing ended.
+        self.evictions_mark: int | None = None
+        self.sent_without_data = 0
+        # doubtful keys whose data this request sent
+        self.cleared: list[Key] = []
+
+
+class Rollback:
+    """What a rollback did."""
+
+    __slots__ = ("done", "removed", "restored", "moved")
+
+    def __init__(self, done: bool, removed: int = 0, restored: int = 0, moved: bool = False):
+        self.done = done
+        self.removed = removed
+        self.restored = restored
+        self.moved = moved
+
+
+class Shadow:
+    """Bookkeeping attached to one sender cache's ``LRUCache`` (``lru``)."""
+
+    def __init__(self, lru: Any) -> None:
+        self.lru = lru
+        self.lock = threading.RLock()
+        self.alive = True
+        """False once tracking of this cache was switched off; never set back."""
+        self.epoch = 0
+        self.seq: dict[Key, int] = {}
+        self.owner: dict[Key, Journal] = {}
+        # key -> pending journals that moved it to most-recent (it was cached already)
+        self.touched: dict[Key, list[Journal]] = {}
+        # keys EngineCore may have evicted while P0 kept them: sent with their data next time
+        self.doubtful: set[Key] = set()
+        self.evictions = 0
+        order = lru._LRUCache__order
+        self.counter = itertools.count(len(order))
+        for index, key in enumerate(order):
+            self.seq[key] = index
+
+    # -- observation --------------------------------------------------------------
+
+    def on_evict(self, key: Key, value: Any, journal: Journal | None) -> None:
+        self.evictions += 1
+        self.doubtful.discard(key)
+        seq = self.seq.pop(key, None)
+        owner = self.owner.pop(key, None)
+        if journal is not None and journal.shadow is self:
+            journal.evicted.append((key, value, seq, owner))
+
+    def note_access(self, key: Key, journal: Journal | None, prev: int | None) -> int:
+        stamp = next(self.counter)
+        self.seq[key] = stamp
+        if journal is not None:
+            if key not in journal.my_seq:
+                journal.prev_seq[key] = prev
+                if prev is not None:
+                    self.touched.setdefault(key, []).append(journal)
+            journal.my_seq[key] = stamp
+        return stamp
+
+    def note_update(
+        self, key: Key, journal: Journal | None, present: bool, prev: int | None, with_data: bool
+    ) -> None:
+        """``get_and_update_item(key)`` left ``key`` in the cache.
+
+        ``present``: it was there before the call; ``prev``: its access counter
+        then; ``with_data``: the caller passed the item's data.
+        """
+        if with_data and key in self.doubtful:
+            self.doubtful.discard(key)
+            if journal is not None:
+                journal.cleared.append(key)
+        self.note_access(key, journal, prev if present else None)
+        owner = self.owner
+        if journal is not None:
+            if not present:
+                journal.prev_seq.pop(key, None)
+                journal.inserted.append(key)
+                owner[key] = journal
+            elif with_data:
+                holder = owner.get(key)
+                if holder is not None and holder is not journal:
+                    journal.adopted.setdefault(key, holder)
+                    owner[key] = journal
+        elif present and with_data:
+            owner.pop(key, None)
+
+    def looks_uncached(self, key: Key, current: Journal | None) -> bool:
+        """True when ``key`` is cached here but EngineCore may not hold it yet.
+
+        Inserted by another request that has not reached EngineCore, moved by
+        one (EngineCore has not seen that move and may evict ``key`` where P0
+        evicts others), or doubtful after a late rollback.
+        """
+        holder = self.owner.get(key)
+        if holder is not None and holder is not current:
+            return True
+        if key in self.doubtful:
+            return True
+        return key in self.touched and self.at_risk(key, current)
+
+    def at_risk(self, key: Key, current: Journal | None) -> bool:
+        for journal in self.touched.get(key, ()):
+            if journal is not current and journal.state == PENDING:
+                return True
+        return False
+
+    def forget(self, key: Key) -> None:
+        """EngineCore reported ``key`` missing and vLLM dropped it from the cache."""
+        self.owner.pop(key, None)
+        self.seq.pop(key, None)
+        self.doubtful.discard(key)
+
+    def _release(self, journal: Journal) -> None:
+        touched = self.touched
+        for key in journal.prev_seq:
+            holders = touched.get(key)
+            if holders is None:
+                continue
+            try:
+                holders.remove(journal)
+            except ValueError:
+                continue
+            if not holders:
+                del touched[key]
+
+    def prune(self) -> None:
+        data = self.lru._Cache__data
+        if len(self.seq) > 2 * len(data) + 64:
+            self.seq = {k: v for k, v in self.seq.items() if k in data}
+
+    # -- resolution ---------------------------------------------------------------
+
+    def commit(self, journal: Journal) -> bool:
+        """The request reached EngineCore; True when this resolved ``journal`` in this epoch."""
+        with self.lock:
+            if journal.state != PENDING:
+                return False
+            journal.state = COMMITTED
+            if journal.epoch != self.epoch:
+                return False
+            self._release(journal)
+            owner = self.owner
+            for key in journal.inserted:
+                if owner.get(key) is journal:
+                    del owner[key]
+            for key in journal.adopted:
+                if owner.get(key) is journal:
+                    del owner[key]
+        return True
+
+    def rollback(self, journal: Journal) -> Rollback:
+        """Undo ``journal`` (the request will never reach EngineCore)."""
+        with self.lock:
+            if journal.state != PENDING:
+                return Rollback(False)
+            journal.state = ROLLED_BACK
+            if journal.epoch != self.epoch:
+                return Rollback(False)
+            self._release(journal)
+            # Entries were evicted after this request was processed: those choices
+            # were made with its moves in place, which EngineCore never saw.
+            late = journal.evictions_mark not in (None, self.evictions)
+            lru = self.lru
+            data = lru._Cache__data
+            owner, seq = self.owner, self.seq
+            removed = restored = 0
+            moved = False
+            for key in journal.inserted:
+                if owner.get(key) is journal:
+                    del owner[key]
+                    if key in data:
+                        self._drop(key)
+                        removed += 1
+            for key, previous in journal.adopted.items():
+                if owner.get(key) is not journal:
+                    continue
+                if previous.state == PENDING and previous.epoch == self.epoch:
+                    owner[key] = previous
+                elif previous.state == COMMITTED:
+                    del owner[key]
+                else:
+                    del owner[key]
+                    if key in data:
+                        self._drop(key)
+                        removed += 1
+            for key, before in journal.prev_seq.items():
+                if before is None or key not in data:
+                    continue
+                if seq.get(key) == journal.my_seq.get(key):
+                    seq[key] = before
+                    moved = True
+                    if late:
+                        # EngineCore kept the key at its old place and may have
+                        # evicted it where P0 evicted others.
+                        self.doubtful.add(key)
+            for key in journal.cleared:
+                if key in data:
+                    self.doubtful.add(key)
+            # Entries this request evicted are still in EngineCore. Put them back
+            # unless later requests evicted more since: EngineCore then evicted
+            # these instead (they are its oldest), and putting them back would not
+            # match it. Most recently used first: when not all fit, the oldest
+            # stay out.
+            evicted: list[tuple[Key, Any, int | None, Journal | None]] = []
+            if journal.evictions_mark in (None, self.evictions):
+                evicted = journal.evicted
+            evicted = sorted(evicted, key=lambda e: -1 if e[2] is None else e[2], reverse=True)
+            for key, value, stamp, previous_owner in evicted:
+                if key in data:
+                    continue
+                if previous_owner is not None and previous_owner.state == ROLLED_BACK:
+                    continue
+                try:
+                    size = lru.getsizeof(value)
+                except Exception:
+                    break
+                if lru.currsize + size > lru.maxsize:
+                    break
+                lru[key] = value
+                seq[key] = -1 if stamp is None else stamp
+                if previous_owner is not None and previous_owner.state == PENDING:
+                    owner[key] = previous_owner
+                restored += 1
+                moved = True
+            if moved:
+                moved = self._reorder()
+            self.prune()
+        return Rollback(True, removed, restored, moved)
+
+    def invalidate(self, keys: Iterable[Key]) -> int:
+        """Drop ``keys`` (a drifted request's items) so they are sent with data again."""
+        dropped = 0
+        with self.lock:
+            data = self.lru._Cache__data
+            for key in keys:
+                self.owner.pop(key, None)
+                if key in data:
+                    self._drop(key)
+                    dropped += 1
+                else:
+                    self.seq.pop(key, None)
+        return dropped
+
+    def reset(self) -> None:
+        """The cache was cleared: pending journals no longer apply (new epoch)."""
+        with self.lock:
+            self.epoch += 1
+            self.owner.clear()
+            self.touched.clear()
+            self.doubtful.clear()
+            self.seq.clear()
+            for index, key in enumerate(self.lru._LRUCache__order):
+                self.seq[key] = index
+            self.counter = itertools.count(len(self.seq))
+
+    def _drop(self, key: Key) -> None:
+        self.doubtful.discard(key)
+        self.seq.pop(key, None)
+        self.lru.pop(key, None)
+
+    def _reorder(self) -> bool:
+        """Sort the LRU order by access counter; True when something moved."""
+        order = self.lru._LRUCache__order
+        seq = self.seq
+        ranked: list[tuple[int, int, Key]] = []
+        last = -(1 << 62)
+        ordered = True
+        for index, key in enumerate(order):
+            stamp = seq.get(key)
+            if stamp is None:
+                stamp = last
+            elif stamp < last:
+                ordered = False
+            last = max(last, stamp)
+            ranked.append((stamp, index, key))
+        if ordered:
+            return False
+        ranked.sort(key=lambda r: (r[0], r[1]))
+        for _, _, key in ranked:
+            order.move_to_end(key)
+        return True

@@ -1,0 +1,169 @@
+"""Wrappers of the request path: where a request's journal opens, and where it resolves.
+
+- ``BaseMultiModalProcessor.apply``: keeps the inputs, so a drifted request can
+  be processed again with its data (recovery);
+- ``BaseMultiModalProcessor._merge_mm_kwargs``: the sender-cache updates of one
+  request happen inside it, so its journal is open exactly then;
+- ``process_inputs``: the commit point. A request that becomes an
+  ``EngineCoreRequest`` commits its journal; one that raises is rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...core.signatures import reader
+from . import records
+from .context import scope
+from .journal import Journal
+from .sender import shadow_of
+from .state import ERRORS, STATE
+from .stats import STATS
+
+_S_APPLY = ERRORS.site("processor.apply")
+_S_MERGE_BEFORE = ERRORS.site("processor._merge_mm_kwargs:before")
+_S_MERGE_AFTER = ERRORS.site("processor._merge_mm_kwargs:after")
+_S_MERGE_FAILED = ERRORS.site("processor._merge_mm_kwargs:failed")
+_S_INPUTS_BEFORE = ERRORS.site("process_inputs:before")
+_S_INPUTS_AFTER = ERRORS.site("process_inputs:after")
+_S_INPUTS_FAILED = ERRORS.site("process_inputs:failed")
+
+
+class Replay:
+    """Runs the multimodal processor again on the same inputs."""
+
+    __slots__ = ("func", "processor", "args", "kwargs")
+
+    def __init__(self, func: Callable[..., Any], processor: Any, args: tuple, kwargs: dict) -> None:
+        self.func = func
+        self.processor = processor
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self) -> Any:
+        return self.func(self.processor, *self.args, **self.kwargs)
+
+
+def wrap_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not STATE.live:
+            return orig(self, *args, **kwargs)
+        ctx = scope()
+        previous = ctx.replay
+        with _S_APPLY:
+            ctx.replay = Replay(apply, self, args, kwargs)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            ctx.replay = previous
+
+    return apply
+
+
+def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
+    cache_arg = reader(orig, "cache", what="_merge_mm_kwargs")
+
+    def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not STATE.installed or STATE.switched_off is not None:
+            return orig(self, *args, **kwargs)
+        ctx = scope()
+        shadow = journal = None
+        with _S_MERGE_BEFORE:
+            cache = cache_arg.get(args, kwargs)
+            if cache is not None and ctx.journal is None:
+                shadow = shadow_of(cache)
+            if shadow is not None:
+                if records.has_deferred():
+                    records.drain_deferred()
+                if STATE.prevent:
+                    journal = Journal(shadow)
+                    STATS.bump("journals")
+        if shadow is None:
+            return orig(self, *args, **kwargs)
+        ctx.journal = journal
+        try:
+            out = orig(self, *args, **kwargs)
+        except BaseException:
+            ctx.journal = None
+            ctx.bypassed.clear()
+            if journal is not None:
+                with _S_MERGE_FAILED:
+                    records.rollback(journal, "multimodal processing failed")
+            raise
+        ctx.journal = None
+        ctx.bypassed.clear()
+        with _S_MERGE_AFTER:
+            if shadow.alive:
+                _after_merge(out, shadow.evictions, journal, ctx)
+        return out
+
+    return _merge_mm_kwargs
+
+
+def _after_merge(out: Any, evictions: int, journal: Journal | None, ctx: Any) -> None:
+    if journal is not None:
+        journal.evictions_mark = evictions
+    try:
+        mm_kwargs = out[0]
+    except Exception:
+        mm_kwargs = None
+    if mm_kwargs is None:
+        if journal is not None:
+            records.commit(journal)
+        return
+    replay = None
+    if STATE.recovery:
+        missing = (
+            journal.sent_without_data
+            if journal is not None
+            else records.has_missing_data(mm_kwargs)
+        )
+        if missing:
+            replay = ctx.replay
+    if journal is not None or replay is not None:
+        records.register(mm_kwargs, journal, replay)
+    if ctx.collector is not None:
+        ctx.collector.append(mm_kwargs)
+
+
+def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    prompt_arg = reader(orig, "prompt", what="process_inputs")
+    request_id_arg = reader(orig, "request_id", what="process_inputs")
+
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not STATE.live:
+            return orig(self, *args, **kwargs)
+        ctx = scope()
+        outer = ctx.collector
+        collector: list[Any] | None = None
+        with _S_INPUTS_BEFORE:
+            if records.has_deferred():
+                records.drain_deferred()
+            collector = []
+        if collector is None:
+            return orig(self, *args, **kwargs)
+        ctx.collector = collector
+        try:
+            request = orig(self, *args, **kwargs)
+        except BaseException:
+            ctx.collector = outer
+            with _S_INPUTS_FAILED:
+                if STATE.live:
+                    for record in records.records_of(prompt_arg.get(args, kwargs), collector):
+                        if record.journal is not None:
+                            records.rollback(record.journal, "rejected after multimodal processing")
+            raise
+        ctx.collector = outer
+        with _S_INPUTS_AFTER:
+            if STATE.live:
+                replay = None
+                for record in records.records_of(prompt_arg.get(args, kwargs), collector):
+                    if record.journal is not None:
+                        records.commit(record.journal)
+                    replay = replay or record.replay
+                if STATE.recovery:
+                    records.note_attempt(request_id_arg.get(args, kwargs), request, replay)
+        return request
+
+    return process_inputs

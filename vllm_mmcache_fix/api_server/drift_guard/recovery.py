@@ -1,0 +1,211 @@
+"""Recovery: a request EngineCore could not serve is re-sent once, with its data.
+
+When the first output of a request that sent items as ``data=None`` is an
+error with no tokens (EngineCore lacked an item: ``MultiModalCacheMissError``
+from 0.28, a failed request on older releases), all of its items are dropped
+from the shadow, its multimodal items are processed again (they now carry
+data) and the request is submitted again, before anything reaches the client.
+Skipped (the error passes through) when the inputs cannot be rebuilt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from ...core import log
+from ...core.messages import DRIFT_EVENT
+from ...core.process import process_label
+from ...core.signatures import reader
+from . import records
+from .records import Attempt
+from .state import ERRORS, STATE
+from .stats import STATS
+
+LOG_INTERVAL_S = 60.0
+
+_S_START = ERRORS.site("generate:start")
+_S_FIRST = ERRORS.site("generate:first_output")
+_S_RETRY = ERRORS.site("generate:retry")
+_S_RESULT = ERRORS.site("generate:retry_output")
+_drift_limiter = log.RateLimiter(LOG_INTERVAL_S)
+
+
+def _may_need_recovery(prompt: Any) -> bool:
+    if not isinstance(prompt, dict):
+        return False
+    mm_kwargs = prompt.get("mm_kwargs")
+    if mm_kwargs is not None:
+        record = records.lookup(mm_kwargs)
+        if record is not None:
+            # Processed here: a replay was kept exactly when an item went without data.
+            return record.replay is not None
+        return records.has_missing_data(mm_kwargs)
+    # A raw prompt: its items are processed inside add_request.
+    return prompt.get("multi_modal_data") is not None
+
+
+def is_error_without_tokens(out: Any) -> bool:
+    if not getattr(out, "finished", False):
+        return False
+    outputs = getattr(out, "outputs", None)
+    if not outputs:
+        return False
+    for completion in outputs:
+        if str(getattr(completion, "finish_reason", None)) != "error":
+            return False
+        if getattr(completion, "token_ids", None):
+            return False
+    return True
+
+
+def _executor_of(engine: Any) -> Any:
+    renderer = getattr(engine, "renderer", None)
+    if renderer is None:
+        renderer = getattr(getattr(engine, "input_processor", None), "renderer", None)
+    for name in ("_mm_executor", "_executor"):
+        executor = getattr(renderer, name, None)
+        if executor is not None and callable(getattr(executor, "submit", None)):
+            return executor
+    return None
+
+
+async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
+    """The prompt to submit again, with its multimodal data, or None when impossible."""
+    for shadow in list(records.shadows):
+        shadow.invalidate(attempt.hashes)
+    if not (isinstance(prompt, dict) and "mm_kwargs" in prompt):
+        return prompt  # processed again inside add_request
+    if attempt.replay is None:
+        return None
+    executor = _executor_of(engine)
+    try:
+        if executor is not None:
+            result = await asyncio.get_running_loop().run_in_executor(executor, attempt.replay)
+        else:
+            result = attempt.replay()
+    except Exception as exc:
+        # vLLM's processor failed on the same inputs: nothing to re-send, and
+        # the client gets the error vLLM gave.
+        STATE.fix.note(f"could not process a drifted request again: {exc!r}")
+        return None
+    if not isinstance(result, Mapping) or "mm_kwargs" not in result:
+        return None
+    if result.get("mm_hashes") != prompt.get("mm_hashes"):
+        return None
+    if list(result.get("prompt_token_ids") or ()) != list(prompt.get("prompt_token_ids") or ()):
+        return None
+    retry = dict(prompt)
+    retry["mm_kwargs"] = result["mm_kwargs"]
+    return retry
+
+
+def wrap_generate(orig: Callable[..., Any]) -> Callable[..., Any]:
+    prompt_arg = reader(orig, "prompt", what="AsyncLLM.generate")
+    request_id_arg = reader(orig, "request_id", what="AsyncLLM.generate")
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = False
+        with _S_START:
+            wanted = STATE.live and _may_need_recovery(prompt_arg.get(args, kwargs))
+        if not wanted:
+            return orig(self, *args, **kwargs)
+        return _recovering(orig, self, args, kwargs, prompt_arg, request_id_arg)
+
+    return generate
+
+
+def _with_prompt(args: tuple, kwargs: dict, prompt_arg: Any, prompt: Any) -> tuple[tuple, dict]:
+    if prompt_arg.name in kwargs or prompt_arg.position is None:
+        return args, {**kwargs, prompt_arg.name: prompt}
+    args = list(args)  # type: ignore[assignment]
+    args[prompt_arg.position] = prompt  # type: ignore[index]
+    return tuple(args), kwargs
+
+
+async def _recovering(
+    orig: Callable[..., Any],
+    engine: Any,
+    args: tuple,
+    kwargs: dict,
+    prompt_arg: Any,
+    request_id_arg: Any,
+) -> AsyncIterator[Any]:
+    request_id = request_id_arg.get(args, kwargs)
+    attempt: Attempt | None = None
+    retry_wanted = False
+    stream = orig(engine, *args, **kwargs)
+    try:
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        finally:
+            with _S_FIRST:
+                attempt = records.pop_attempt(request_id)
+        with _S_FIRST:
+            retry_wanted = STATE.live and attempt is not None and is_error_without_tokens(first)
+        if not retry_wanted:
+            yield first
+            async for out in stream:
+                yield out
+            return
+    finally:
+        await stream.aclose()
+
+    assert attempt is not None
+    retry = None
+    with _S_RETRY:
+        STATS.add("drift_events")
+        retry = await _prepare_retry(engine, prompt_arg.get(args, kwargs), attempt)
+        if retry is None:
+            STATS.add("recovery_unavailable")
+            _log_drift(request_id, attempt, "it could not be re-sent (inputs unavailable)")
+    if retry is None:
+        yield first
+        return
+    retry_args, retry_kwargs = _with_prompt(args, kwargs, prompt_arg, retry)
+    stream = orig(engine, *retry_args, **retry_kwargs)
+    try:
+        try:
+            again = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        finally:
+            with _S_RESULT:
+                records.pop_attempt(request_id)
+        with _S_RESULT:
+            if is_error_without_tokens(again):
+                STATS.add("recovery_failures")
+                _log_drift(request_id, attempt, "it failed again after re-sending the data")
+            else:
+                STATS.add("recoveries")
+                _log_drift(request_id, attempt, "recovered by re-sending the data")
+        yield again
+        async for out in stream:
+            yield out
+    finally:
+        await stream.aclose()
+
+
+def _log_drift(request_id: Any, attempt: Attempt, outcome: str) -> None:
+    may_log, held = _drift_limiter.ready()
+    if not may_log:
+        return
+    totals = STATS.as_dict()
+    log.warning(
+        "%s in %s: EngineCore had no data for request %s (%d item(s) were sent as already "
+        "cached); %s. Totals: drift_events=%d recoveries=%d recovery_failures=%d "
+        "rollbacks=%d%s",
+        DRIFT_EVENT,
+        process_label(),
+        request_id,
+        len(attempt.hashes),
+        outcome,
+        totals["drift_events"],
+        totals["recoveries"],
+        totals["recovery_failures"],
+        totals["rollbacks"],
+        f"; {held} more drift events since the last line" if held else "",
+    )

@@ -1,0 +1,267 @@
+"""Wrappers of the API server's sender cache: vLLM's call, then the shadow's bookkeeping.
+
+Each wrapper reads what it needs before vLLM's call and updates the shadow
+after it, each in a guarded block (:mod:`vllm_mmcache_fix.core.guard`); vLLM's
+call itself is never inside one. The shadow's lock spans the three so that
+"before", vLLM's change and "after" are seen together by other threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...core import registry
+from ...core.signatures import require_prefix
+from ...vllm_layout import SENDER_LRU_ATTR
+from . import records
+from .context import scope
+from .journal import Shadow
+from .state import ERRORS, STATE
+from .stats import STATS
+
+PATCH_ID = "mm-drift-sender"
+SHADOW_ATTR = "_mmcache_fix_drift"
+_UNSUPPORTED = False  # stored in the instance when its cache cannot be tracked
+
+_S_INIT = ERRORS.site("sender.__init__")
+_S_EVICT = ERRORS.site("sender.evict")
+_S_IS_CACHED = ERRORS.site("sender.is_cached_item")
+_S_TOUCH_BEFORE = ERRORS.site("sender.touch_sender_cache_item:before")
+_S_TOUCH_AFTER = ERRORS.site("sender.touch_sender_cache_item:after")
+_S_UPDATE_BEFORE = ERRORS.site("sender.get_and_update_item:before")
+_S_UPDATE_AFTER = ERRORS.site("sender.get_and_update_item:after")
+_S_CLEAR = ERRORS.site("sender.clear_cache")
+_S_INVALIDATE = ERRORS.site("sender.invalidate")
+
+
+def check_lru(lru: Any) -> str | None:
+    if lru is None:
+        return f"no {SENDER_LRU_ATTR} attribute"
+    for name in ("_Cache__data", "_LRUCache__order"):
+        if not hasattr(lru, name):
+            return f"{type(lru).__name__} has no {name}"
+    if not hasattr(lru._LRUCache__order, "move_to_end"):
+        return f"{type(lru).__name__}._LRUCache__order is not an OrderedDict"
+    for name in ("pop", "popitem", "getsizeof", "currsize", "maxsize"):
+        if not hasattr(lru, name):
+            return f"{type(lru).__name__} has no {name}"
+    return None
+
+
+def _attach(sender: Any) -> Shadow | None:
+    lru = getattr(sender, SENDER_LRU_ATTR, None)
+    reason = check_lru(lru)
+    if reason is not None:
+        registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, _UNSUPPORTED)
+        STATE.fix.note(f"sender cache not tracked: {reason}")
+        return None
+    shadow = Shadow(lru)
+    cls_popitem = type(lru).popitem
+
+    def popitem(*args: Any, **kwargs: Any) -> Any:
+        key, value = cls_popitem(lru, *args, **kwargs)
+        with _S_EVICT:
+            if shadow.alive:
+                shadow.on_evict(key, value, scope().journal)
+        return key, value
+
+    registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
+    registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
+    records.shadows.add(shadow)
+    STATE.tracking = True
+    return shadow
+
+
+def detach(shadow: Shadow) -> None:
+    """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
+    shadow.alive = False
+    registry.revert_instance_attr(shadow.lru, "popitem")
+    records.shadows.discard(shadow)
+
+
+def shadow_of(sender: Any) -> Shadow | None:
+    """The live shadow of ``sender``, attaching one to a patched sender class on first use."""
+    if not STATE.installed or STATE.switched_off is not None:
+        return None
+    try:
+        shadow = sender.__dict__.get(SHADOW_ATTR)
+    except AttributeError:
+        return None
+    if shadow is None:
+        # Only instances of the patched sender classes: a processor-only or
+        # shared-memory cache passed to the same processor is left alone.
+        if not isinstance(sender, STATE.sender_types):
+            return None
+        with STATE.lock:
+            shadow = sender.__dict__.get(SHADOW_ATTR)
+            if shadow is None:
+                return _attach(sender)
+    if not shadow or not shadow.alive:
+        return None
+    return shadow  # type: ignore[no-any-return]
+
+
+def _live_shadow(sender: Any) -> Shadow | None:
+    """The shadow of an already tracked sender (no attaching)."""
+    try:
+        shadow = sender.__dict__.get(SHADOW_ATTR)
+    except AttributeError:
+        return None
+    return shadow if shadow and shadow.alive else None
+
+
+def _sent_without_data(result: Any) -> bool:
+    return isinstance(result, tuple) and len(result) == 2 and result[0] is None
+
+
+# --------------------------------------------------------------------------- wrappers
+# Each wrap_* takes vLLM's function and returns the replacement; it raises
+# SignatureMismatch when vLLM's function does not take what the wrapper passes.
+
+
+def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        with _S_INIT:
+            shadow_of(self)
+            STATE.fix.announce()
+
+    return __init__
+
+
+def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    require_prefix(orig, ("self", "mm_hash"), what="is_cached_item")
+
+    def is_cached_item(self: Any, mm_hash: Any) -> bool:
+        hit = orig(self, mm_hash)
+        if hit and STATE.live:
+            with _S_IS_CACHED:
+                shadow = _live_shadow(self)
+                if shadow is not None:
+                    ctx = scope()
+                    if shadow.looks_uncached(mm_hash, ctx.journal):
+                        # Inserted or moved by a request that has not reached
+                        # EngineCore yet, or doubtful: have the caller send the data.
+                        STATS.add("tentative_bypasses")
+                        ctx.bypassed.add(mm_hash)
+                        return False
+        return hit
+
+    return is_cached_item
+
+
+def wrap_touch(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    require_prefix(orig, ("self", "mm_hash"), what="touch_sender_cache_item")
+
+    def touch_sender_cache_item(self: Any, mm_hash: Any) -> None:
+        shadow = None
+        with _S_TOUCH_BEFORE:
+            shadow = shadow_of(self)
+        if shadow is None:
+            return orig(self, mm_hash)
+        with shadow.lock:
+            before = None
+            with _S_TOUCH_BEFORE:
+                before = (mm_hash in shadow.lru._Cache__data, shadow.seq.get(mm_hash))
+            result = orig(self, mm_hash)
+            if before is not None and before[0]:
+                with _S_TOUCH_AFTER:
+                    if shadow.alive and mm_hash in shadow.lru._Cache__data:
+                        shadow.note_access(mm_hash, scope().journal, before[1])
+        return result
+
+    return touch_sender_cache_item
+
+
+def wrap_get_and_update_item(orig: Callable[[Any, Any, Any], Any]) -> Callable[..., Any]:
+    require_prefix(orig, ("self", "mm_item", "mm_hash"), what="get_and_update_item")
+
+    def get_and_update_item(self: Any, mm_item: Any, mm_hash: Any) -> Any:
+        shadow = None
+        with _S_UPDATE_BEFORE:
+            shadow = shadow_of(self)
+        if shadow is None:
+            return orig(self, mm_item, mm_hash)
+        with shadow.lock:
+            before = None
+            with _S_UPDATE_BEFORE:
+                ctx = scope()
+                journal = ctx.journal
+                # Data the guard asked for (it made the key look uncached) is sent
+                # even where vLLM's cache would send None; nothing else changes.
+                send_data = mm_item is not None and (
+                    mm_hash in ctx.bypassed or shadow.looks_uncached(mm_hash, journal)
+                )
+                before = (
+                    journal,
+                    mm_hash in shadow.lru._Cache__data,
+                    shadow.seq.get(mm_hash),
+                    send_data,
+                )
+            result = orig(self, mm_item, mm_hash)
+            if before is None:
+                return result
+            with _S_UPDATE_AFTER:
+                if not shadow.alive:
+                    return result
+                journal, present, prev, send_data = before
+                if mm_hash in shadow.lru._Cache__data:
+                    shadow.note_update(mm_hash, journal, present, prev, mm_item is not None)
+                if _sent_without_data(result):
+                    if send_data:
+                        return mm_item
+                    if journal is not None:
+                        journal.sent_without_data += 1
+        return result
+
+    return get_and_update_item
+
+
+def wrap_clear_cache(orig: Callable[[Any], None]) -> Callable[[Any], None]:
+    require_prefix(orig, ("self",), what="clear_cache")
+
+    def clear_cache(self: Any) -> None:
+        shadow = None
+        with _S_CLEAR:
+            shadow = _live_shadow(self)
+        if shadow is None:
+            return orig(self)
+        with shadow.lock:
+            orig(self)
+            with _S_CLEAR:
+                if shadow.alive:
+                    shadow.reset()
+        return None
+
+    return clear_cache
+
+
+def wrap_invalidate(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    require_prefix(orig, ("self", "mm_hash"), what="invalidate")
+
+    def invalidate(self: Any, mm_hash: Any) -> None:
+        shadow = None
+        with _S_INVALIDATE:
+            shadow = _live_shadow(self)
+        if shadow is None:
+            return orig(self, mm_hash)
+        with shadow.lock:
+            orig(self, mm_hash)
+            with _S_INVALIDATE:
+                if shadow.alive:
+                    shadow.forget(mm_hash)
+                    STATS.add("engine_reported_misses")
+        return None
+
+    return invalidate
+
+
+WRAPPERS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("__init__", wrap_init),
+    ("is_cached_item", wrap_is_cached_item),
+    ("touch_sender_cache_item", wrap_touch),
+    ("get_and_update_item", wrap_get_and_update_item),
+    ("clear_cache", wrap_clear_cache),
+    ("invalidate", wrap_invalidate),
+)

@@ -1,0 +1,109 @@
+"""The lifecycle every fix shares: ``id``, ``install``, ``uninstall``, ``status``.
+
+A fix subclasses :class:`Fix` and writes only ``_install``, ``_uninstall``
+and ``_status``. The public methods do the bookkeeping: repeat calls are
+no-ops, ``install`` never raises, "does not apply here" (:class:`DidNotEnable`)
+is kept apart from "broke" (an exception), and ``status`` returns a copy with
+a schema version.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+from . import log
+from .guard import InternalErrors
+from .messages import INTERNAL_ERROR
+
+STATUS_SCHEMA = 1
+
+
+class DidNotEnable(Exception):
+    """The fix does not apply in this process; the message says why (one sentence)."""
+
+
+class Fix:
+    id: ClassVar[str]
+    runs_in: ClassVar[str]
+    """Where the fix acts: ``"every process"``, ``"API server"``, ``"EngineCore"``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.attempted = False
+        self.enabled = False
+        self.not_enabled_reason: str | None = None
+        self.problems: list[str] = []
+        self.errors = InternalErrors(self.id, self._on_internal_error)
+
+    # -- public, shared by every fix ---------------------------------------------
+
+    def install(self) -> None:
+        """Apply the fix in this process; idempotent, never raises."""
+        try:
+            with self.lock:
+                if self.attempted:
+                    return
+                self.attempted = True
+                try:
+                    self._install()
+                except DidNotEnable as exc:
+                    self.not_enabled_reason = str(exc)
+                    return
+                self.enabled = True
+        except Exception as exc:
+            self.note_problem(f"{INTERNAL_ERROR} while installing: {exc!r}")
+            try:
+                log.warning(
+                    "%s: %s while installing, vLLM left as it is: %r", self.id, INTERNAL_ERROR, exc
+                )
+                self._uninstall()
+            except Exception:
+                pass
+
+    def uninstall(self) -> None:
+        """Undo everything ``install`` did in this process."""
+        with self.lock:
+            self._uninstall()
+            self.attempted = False
+            self.enabled = False
+            self.not_enabled_reason = None
+            self.problems = []
+            self.errors.counts.clear()
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            data = {
+                "schema_version": STATUS_SCHEMA,
+                "id": self.id,
+                "runs_in": self.runs_in,
+                "attempted": self.attempted,
+                "enabled": self.enabled,
+                "not_enabled_reason": self.not_enabled_reason,
+                "problems": list(self.problems),
+                "internal_errors": dict(self.errors.counts),
+            }
+            data.update(self._status())
+            return data
+
+    def note_problem(self, problem: str) -> bool:
+        """Keep ``problem`` once; True when it is new."""
+        with self.lock:
+            if problem in self.problems:
+                return False
+            self.problems.append(problem)
+            return True
+
+    # -- written by each fix -------------------------------------------------------
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+    def _status(self) -> dict[str, Any]:
+        return {}
+
+    def _on_internal_error(self, where: str, exc: BaseException) -> None:
+        """Switch off what ``where`` tracks; vLLM's own behaviour goes on."""

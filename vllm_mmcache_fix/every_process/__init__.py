@@ -1,0 +1,1 @@
+"""Fixes that act in every vLLM process: API server, EngineCore, workers."""

@@ -1,0 +1,97 @@
+"""``vllm-mmcache-fix diagnose``: is a vLLM server stuck in the multimodal cache eviction loop?
+
+The hang looks like this: clients time out while ``/health`` still answers, and one thread
+of the EngineCore process (its input thread, ``process_input_sockets``) burns a whole core.
+It never blocks, so its voluntary context switches stay flat; it is only ever preempted, so
+its nonvoluntary switches may rise. Its Python stack is inside ``LRUCache.popitem`` called
+from the cache's ``__setitem__`` (or ``clear``/``remove_oldest``).
+
+:func:`diagnose` samples every thread of a process and of its descendants through ``/proc``
+for ``interval`` seconds, looks at the busy threads' stacks with ``py-spy dump`` when py-spy
+is available, and classifies each process and the whole. Nothing here prints; :func:`render`
+builds the text for humans and :meth:`Diagnosis.as_dict` the data for ``--json``.
+
+Rules (thresholds are the module constants below):
+
+* A thread **spins** when, over the interval, it made at most
+  ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary context switches (it never
+  waited for anything) and either used at least ``SPIN_MIN_CPU_FRACTION`` of one core or
+  was runnable (on a CPU or waiting for one) at least ``SPIN_MIN_RUNNABLE_FRACTION`` of the
+  time. The second form keeps the rule working on a loaded machine, where a spinning thread
+  only gets its share of a core. The runnable share is the larger of two estimates: time
+  running plus time queued from ``/proc/.../schedstat`` (which books a wait only once it
+  ends), and the share of state samples that found the thread in ``R``. Rising nonvoluntary
+  switches are kept as evidence but not required: a spinning thread is only preempted when
+  something else wants its core.
+* A thread is **in the mm cache** when a ``py-spy`` stack of it has a ``popitem`` frame and
+  a ``__setitem__``, ``clear``, ``remove_oldest`` or ``_remove_old_if_needed`` frame, both
+  in a cache file (path containing one of ``CACHE_FILE_MARKERS``). A single stack can land
+  between two ``popitem`` calls, so up to ``PY_SPY_MAX_DUMPS`` dumps are taken.
+* A thread is **blocked** when every state sample taken during the interval (every
+  ``STATE_SAMPLE_PERIOD`` seconds) found it in ``D`` (uninterruptible sleep: disk, network
+  file system, device driver), ``T`` (stopped by a signal) or ``t`` (stopped by a tracer).
+  Ordinary waits (``S``: sockets, queues, locks, sleeps) are not blocked: an idle vLLM
+  process waits on futexes and sockets all the time.
+
+A process is, first rule that applies:
+
+``EXITED``
+    gone (or a zombie) at the end of the interval.
+``SPINNING_IN_MM_CACHE``
+    a spinning thread whose stack is in the mm cache eviction loop.
+``SPINNING_ELSEWHERE``
+    spinning threads, stacks checked, none in the mm cache (or not Python threads).
+``SPINNING``
+    spinning threads whose stacks could not be checked (no py-spy, or it failed): the
+    numbers match the mm cache hang's signature, but that is not a confirmation.
+``BLOCKED``
+    a blocked thread.
+``IDLE``
+    all threads together used at most ``IDLE_MAX_CPU_FRACTION`` of one core.
+``ACTIVE``
+    anything else: working normally as far as the interval shows.
+
+The whole takes the most severe class among its processes (order of ``SEVERITY``).
+"""
+
+from __future__ import annotations
+
+from .classify import (
+    classify_process,
+    overall,
+    stack_in_mm_cache,
+    thread_is_blocked,
+    thread_is_spinning,
+)
+from .procfs import is_engine_core, process_tree
+from .pyspy import check_stacks, find_py_spy, parse_py_spy_dump
+from .render import render
+from .results import Diagnosis, ProcessReport, StackCheck, ThreadReport, exit_code
+from .rules import EXIT_CODES, EXIT_ERROR, REMEDIES, SEVERITY, Classification, DiagnoseError
+from .run import diagnose
+
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_ERROR",
+    "REMEDIES",
+    "SEVERITY",
+    "Classification",
+    "DiagnoseError",
+    "Diagnosis",
+    "ProcessReport",
+    "StackCheck",
+    "ThreadReport",
+    "check_stacks",
+    "classify_process",
+    "diagnose",
+    "exit_code",
+    "find_py_spy",
+    "is_engine_core",
+    "overall",
+    "parse_py_spy_dump",
+    "process_tree",
+    "render",
+    "stack_in_mm_cache",
+    "thread_is_blocked",
+    "thread_is_spinning",
+]

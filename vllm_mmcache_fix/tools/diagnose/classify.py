@@ -1,0 +1,107 @@
+"""The rules as functions: when a thread spins, is blocked, or is in the mm cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ...vllm_layout import EVICTION_CALLERS, EVICTION_FRAMES
+from .results import ThreadReport
+from .rules import (
+    BLOCKED_STATES,
+    CACHE_FILE_MARKERS,
+    IDLE_MAX_CPU_FRACTION,
+    SEVERITY,
+    SPIN_MAX_VOLUNTARY_PER_SEC,
+    SPIN_MIN_CPU_FRACTION,
+    SPIN_MIN_RUNNABLE_FRACTION,
+    C,
+    Classification,
+)
+
+# --------------------------------------------------------------------------- classification
+
+
+def thread_is_spinning(
+    cpu_fraction: float,
+    runnable_fraction: float | None,
+    voluntary_switches: int,
+    seconds: float,
+) -> bool:
+    if voluntary_switches > max(1.0, SPIN_MAX_VOLUNTARY_PER_SEC * seconds):
+        return False
+    if cpu_fraction >= SPIN_MIN_CPU_FRACTION:
+        return True
+    return runnable_fraction is not None and runnable_fraction >= SPIN_MIN_RUNNABLE_FRACTION
+
+
+def thread_is_blocked(states: str) -> bool:
+    return len(states) >= 2 and all(state in BLOCKED_STATES for state in states)
+
+
+def stack_in_mm_cache(frames: Iterable[tuple[str, str]]) -> bool:
+    """``frames`` are ``(function, file)``; see the module docstring for the rule."""
+    names: set[str] = set()
+    for function, filename in frames:
+        path = filename.replace("\\", "/")
+        if any(marker in path for marker in CACHE_FILE_MARKERS):
+            names.add(function.rsplit(".", 1)[-1])
+    return bool(names & EVICTION_FRAMES) and bool(names & EVICTION_CALLERS)
+
+
+def classify_process(
+    threads: Sequence[ThreadReport],
+    cpu_fraction: float,
+    stack_checked: bool,
+) -> tuple[Classification, str]:
+    """Class and reason of a live process from its thread reports."""
+    spinning = [t for t in threads if t.spinning]
+    if spinning:
+        hot = ", ".join(_thread_brief(t) for t in spinning)
+        if not stack_checked:
+            return C.SPINNING, (
+                f"spinning thread(s) {hot}; stack not checked: this matches the mm cache "
+                "hang's signature"
+            )
+        in_cache = [t for t in spinning if t.in_mm_cache]
+        if in_cache:
+            where = _stack_brief(in_cache[0].stack or [])
+            return C.SPINNING_IN_MM_CACHE, (
+                f"thread {_thread_brief(in_cache[0])} spins in the mm cache eviction loop"
+                + (f" ({where})" if where else "")
+            )
+        return C.SPINNING_ELSEWHERE, f"spinning thread(s) {hot}; stack not in the mm cache"
+    blocked = [t for t in threads if t.blocked]
+    if blocked:
+        details = ", ".join(
+            f"{_thread_brief(t, cpu=False)} state {t.states[-1]}"
+            + (f" wchan {t.wchan}" if t.wchan and t.wchan != "0" else "")
+            for t in blocked
+        )
+        return C.BLOCKED, f"blocked thread(s): {details}"
+    if cpu_fraction <= IDLE_MAX_CPU_FRACTION:
+        return C.IDLE, f"all {len(threads)} thread(s) idle, {cpu_fraction:.0%} CPU"
+    return C.ACTIVE, f"{cpu_fraction:.0%} CPU, no thread spinning"
+
+
+def _thread_brief(t: ThreadReport, *, cpu: bool = True) -> str:
+    text = f"{t.tid} {t.label!r}"
+    if not cpu:
+        return text
+    text += f" at {t.cpu_fraction:.0%} CPU"
+    if t.runnable_fraction is not None and t.cpu_fraction < SPIN_MIN_CPU_FRACTION:
+        text += f" (runnable {t.runnable_fraction:.0%} of the time)"
+    return text
+
+
+def _stack_brief(stack: Sequence[str]) -> str:
+    names = [frame.split(" (", 1)[0] for frame in stack]
+    picked = [n for n in names if n.rsplit(".", 1)[-1] in EVICTION_FRAMES | EVICTION_CALLERS]
+    return " <- ".join(picked[:4])
+
+
+def overall(classes: Iterable[Classification]) -> Classification:
+    present = set(classes)
+    for candidate in SEVERITY:
+        if candidate in present:
+            return candidate
+    return C.EXITED

@@ -1,0 +1,220 @@
+"""Reading ``/proc``: threads, CPU time, context switches, states, the process tree.
+
+The one place in the project that parses ``/proc``; the development harness
+samples servers through it too."""
+
+from __future__ import annotations
+
+import errno
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .rules import _ENGINE_CORE_COMM, _SYSCALL_NAMES, ENGINE_CORE_MARKER, DiagnoseError
+
+# --------------------------------------------------------------------------- /proc reading
+
+
+class _Gone(Exception):
+    """The process or thread disappeared while being read."""
+
+
+_GONE_ERRNOS = (errno.ENOENT, errno.ESRCH)
+
+
+def _denied(path: Path) -> DiagnoseError:
+    return DiagnoseError(
+        f"cannot read {path}: permission denied; run as the user that runs vLLM, or as root"
+    )
+
+
+def _read(path: Path, *, optional: bool = False) -> str | None:
+    """Text of a /proc file. Missing -> _Gone; unreadable -> DiagnoseError (or None)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except PermissionError as exc:
+        if optional:
+            return None
+        raise _denied(path) from exc
+    except OSError as exc:
+        if exc.errno in _GONE_ERRNOS:
+            raise _Gone(str(path)) from exc
+        if optional:
+            return None
+        raise DiagnoseError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return data.decode("utf-8", "replace")
+
+
+@dataclass
+class _Stat:
+    comm: str
+    state: str
+    ppid: int
+    ticks: int
+    starttime: int
+
+
+def _parse_stat(text: str, path: Path) -> _Stat:
+    # The name is in parentheses and may itself contain spaces and parentheses.
+    open_paren = text.find("(")
+    close_paren = text.rfind(")")
+    rest = text[close_paren + 2 :].split()
+    if open_paren < 0 or close_paren < open_paren or len(rest) < 20:
+        raise DiagnoseError(f"cannot parse {path}: {text[:80]!r}")
+    return _Stat(
+        comm=text[open_paren + 1 : close_paren],
+        state=rest[0],
+        ppid=int(rest[1]),
+        ticks=int(rest[11]) + int(rest[12]),
+        starttime=int(rest[19]),
+    )
+
+
+def _read_stat(path: Path) -> _Stat:
+    text = _read(path)
+    assert text is not None
+    return _parse_stat(text, path)
+
+
+def _switches(path: Path) -> tuple[int, int]:
+    text = _read(path)
+    assert text is not None
+    voluntary = nonvoluntary = 0
+    for line in text.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            voluntary = int(line.split(":", 1)[1])
+        elif line.startswith("nonvoluntary_ctxt_switches:"):
+            nonvoluntary = int(line.split(":", 1)[1])
+    return voluntary, nonvoluntary
+
+
+def _runnable_ns(text: str | None) -> int | None:
+    fields = (text or "").split()
+    if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
+        return None
+    return int(fields[0]) + int(fields[1])
+
+
+def _syscall_name(text: str | None) -> str | None:
+    if text is None:
+        return None
+    first = text.split(" ", 1)[0].strip()
+    if not first:
+        return None
+    if not first.lstrip("-").isdigit():
+        return first  # "running"
+    number = int(first)
+    if number < 0:
+        return "in kernel (not a syscall)"
+    names = _SYSCALL_NAMES.get(platform.machine(), {})
+    return names.get(number, f"syscall {number}")
+
+
+@dataclass
+class _ThreadSample:
+    tid: int
+    comm: str
+    state: str
+    ticks: int
+    voluntary: int
+    nonvoluntary: int
+    syscall: str | None = None
+    wchan: str | None = None
+    runnable_ns: int | None = None
+    """Time on a CPU plus time waiting for one, from schedstat."""
+
+
+@dataclass
+class _ProcessSample:
+    pid: int
+    starttime: int
+    threads: dict[int, _ThreadSample]
+    time: float
+
+
+def _tids(proc: Path, pid: int) -> list[int]:
+    task = proc / str(pid) / "task"
+    try:
+        names = os.listdir(task)
+    except PermissionError as exc:
+        raise _denied(task) from exc
+    except OSError as exc:
+        if exc.errno in _GONE_ERRNOS:
+            raise _Gone(str(task)) from exc
+        raise DiagnoseError(f"cannot read {task}: {exc.strerror or exc}") from exc
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def _sample_process(proc: Path, pid: int, *, full: bool) -> _ProcessSample:
+    """Every thread of ``pid``; with ``full`` also switches, syscall and wchan."""
+    starttime = _read_stat(proc / str(pid) / "stat").starttime
+    threads: dict[int, _ThreadSample] = {}
+    for tid in _tids(proc, pid):
+        base = proc / str(pid) / "task" / str(tid)
+        try:
+            stat = _read_stat(base / "stat")
+            sample = _ThreadSample(tid, stat.comm, stat.state, stat.ticks, 0, 0)
+            if full:
+                sample.voluntary, sample.nonvoluntary = _switches(base / "status")
+                sample.syscall = _syscall_name(_read(base / "syscall", optional=True))
+                wchan = _read(base / "wchan", optional=True)
+                sample.wchan = wchan.strip() if wchan else None
+                sample.runnable_ns = _runnable_ns(_read(base / "schedstat", optional=True))
+        except _Gone:
+            continue  # the thread ended while being read
+        threads[tid] = sample
+    if not threads:
+        raise _Gone(str(proc / str(pid)))
+    return _ProcessSample(pid, starttime, threads, time.monotonic())
+
+
+def _all_ppids(proc: Path) -> dict[int, int]:
+    ppids: dict[int, int] = {}
+    try:
+        names = os.listdir(proc)
+    except PermissionError as exc:
+        raise _denied(proc) from exc
+    except OSError as exc:
+        raise DiagnoseError(f"cannot read {proc}: {exc.strerror or exc}") from exc
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            text = _read(proc / name / "stat", optional=True)
+        except _Gone:
+            continue
+        if text is None:
+            continue
+        try:
+            ppids[int(name)] = _parse_stat(text, proc / name / "stat").ppid
+        except (DiagnoseError, ValueError):
+            continue
+    return ppids
+
+
+def process_tree(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> list[int]:
+    """``pid`` and all its descendants, parents before children."""
+    proc = Path(proc_root)
+    ppids = _all_ppids(proc)
+    children: dict[int, list[int]] = {}
+    for child, parent in ppids.items():
+        children.setdefault(parent, []).append(child)
+    order = [pid]
+    index = 0
+    while index < len(order):
+        order.extend(sorted(children.get(order[index], ())))
+        index += 1
+    return order
+
+
+def _cmdline(proc: Path, pid: int) -> str:
+    text = _read(proc / str(pid) / "cmdline", optional=True) or ""
+    return " ".join(part for part in text.split("\0") if part)
+
+
+def is_engine_core(comm: str, cmdline: str) -> bool:
+    """vLLM titles its engine processes ``VLLM::EngineCore`` or ``..._DP<n>``."""
+    return ENGINE_CORE_MARKER in cmdline or bool(_ENGINE_CORE_COMM.search(comm))

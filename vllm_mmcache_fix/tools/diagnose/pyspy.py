@@ -1,0 +1,155 @@
+"""Stack dumps with ``py-spy dump``, when py-spy is installed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .classify import stack_in_mm_cache
+from .results import StackCheck, ThreadReport
+from .rules import PY_SPY_BUDGET, PY_SPY_MAX_DUMPS, PY_SPY_TIMEOUT
+
+# --------------------------------------------------------------------------- py-spy
+
+
+def find_py_spy() -> str | None:
+    """The py-spy executable: next to this interpreter, in its scripts dir, or on PATH."""
+    candidates = [Path(sys.executable).parent / "py-spy"]
+    scripts = sysconfig.get_path("scripts")
+    if scripts:
+        candidates.append(Path(scripts) / "py-spy")
+    for candidate in candidates:
+        try:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+        except OSError:  # a directory this user may not enter
+            continue
+    return shutil.which("py-spy")
+
+
+_THREAD_LINE = re.compile(r'^Thread (0x[0-9a-fA-F]+|\d+) \(([^)]*)\)(?::\s*"(.*)")?\s*$')
+_FRAME_LINE = re.compile(r"^\s+(.+?) \((.+?)(?::(\d+))?\)\s*$")
+
+
+@dataclass
+class _DumpThread:
+    ident: str
+    status: str
+    name: str | None
+    frames: list[tuple[str, str, int | None]]
+
+    @property
+    def tid(self) -> int | None:
+        return None if self.ident.startswith("0x") else int(self.ident)
+
+    def lines(self) -> list[str]:
+        return [f"{f} ({p}{'' if n is None else f':{n}'})" for f, p, n in self.frames]
+
+
+def parse_py_spy_dump(text: str) -> list[_DumpThread]:
+    """Threads of a ``py-spy dump --full-filenames`` text."""
+    threads: list[_DumpThread] = []
+    current: _DumpThread | None = None
+    for line in text.splitlines():
+        header = _THREAD_LINE.match(line)
+        if header:
+            current = _DumpThread(header.group(1), header.group(2), header.group(3), [])
+            threads.append(current)
+            continue
+        frame = _FRAME_LINE.match(line)
+        if frame and current is not None:
+            number = frame.group(3)
+            current.frames.append(
+                (frame.group(1), frame.group(2), None if number is None else int(number))
+            )
+        elif line.strip() and not line.startswith((" ", "\t")):
+            current = None
+    return threads
+
+
+_DENIED = re.compile(r"permission denied|operation not permitted|ptrace", re.IGNORECASE)
+PTRACE_DENIED = (
+    "py-spy was denied access to the process (it needs ptrace permission: run as root or as "
+    "the server's user; in a container add CAP_SYS_PTRACE)"
+)
+
+
+def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str, bool]:
+    """(dump text or None, error, whether trying again is pointless)."""
+    cmd = [exe, "dump", "--nonblocking", "--full-filenames", "--pid", str(pid)]
+    try:
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=PY_SPY_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy dump timed out after {PY_SPY_TIMEOUT:.0f} s", False
+    except OSError as exc:
+        return None, f"py-spy could not run: {exc}", True
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+        first = lines[0].strip() if lines else f"exit status {done.returncode}"
+        if _DENIED.search(first):
+            return None, PTRACE_DENIED, True
+        return None, f"py-spy dump failed: {first}", False
+    return done.stdout, "", False
+
+
+def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCheck:
+    """Dump ``pid`` until every spinning Python thread is seen in the cache loop (or give up).
+
+    Fills ``python_name`` of all ``threads``, and ``stack`` and ``in_mm_cache`` of the
+    spinning ones, in place.
+    """
+    hot = [t for t in threads if t.spinning]
+    pending = {t.tid: t for t in hot}
+    check = StackCheck(status="failed")
+    deadline = time.monotonic() + PY_SPY_BUDGET
+    while check.dumps < PY_SPY_MAX_DUMPS and time.monotonic() < deadline:
+        check.dumps += 1
+        text, error, fatal = _run_py_spy(exe, pid)
+        if text is None:
+            if check.status != "checked":
+                check.detail = error
+            if fatal:
+                break
+            continue
+        check.status = "checked"
+        check.detail = ""
+        check.text = text
+        seen = {d.tid: d for d in parse_py_spy_dump(text) if d.tid is not None}
+        for report in threads:
+            dumped = seen.get(report.tid)
+            if dumped is not None and dumped.name:
+                report.python_name = dumped.name
+        for tid, report in list(pending.items()):
+            dumped = seen.get(tid)
+            if dumped is None:
+                # py-spy lists Python threads only: a hot native thread is not the cache.
+                report.in_mm_cache = False
+                report.stack = None
+                del pending[tid]
+                continue
+            report.stack = dumped.lines()
+            report.in_mm_cache = stack_in_mm_cache((f, p) for f, p, _ in dumped.frames)
+            if report.in_mm_cache:
+                del pending[tid]
+        if not pending:
+            break
+    if check.status == "checked":
+        for report in hot:
+            if report.in_mm_cache is None:
+                report.in_mm_cache = False
+    return check

@@ -1,0 +1,166 @@
+"""What a diagnosis returns: per thread, per process, overall (``as_dict`` for --json)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rules import (
+    BLOCKED_STATES,
+    EXIT_CODES,
+    IDLE_MAX_CPU_FRACTION,
+    SPIN_MAX_VOLUNTARY_PER_SEC,
+    SPIN_MIN_CPU_FRACTION,
+    SPIN_MIN_RUNNABLE_FRACTION,
+    Classification,
+)
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class ThreadReport:
+    """What one thread did during the interval."""
+
+    tid: int
+    name: str
+    """The kernel's thread name (``comm``)."""
+    python_name: str | None
+    """The Python thread name, from py-spy."""
+    states: str
+    """State letters seen, in sampling order (``R`` running, ``S`` sleeping, ...)."""
+    cpu_seconds: float
+    cpu_fraction: float
+    runnable_fraction: float | None
+    """Share of the interval spent running or waiting for a CPU; None when unknown."""
+    voluntary_switches: int
+    nonvoluntary_switches: int
+    syscall: str | None
+    """At the end of the interval: ``running``, a syscall name or number, or None."""
+    wchan: str | None
+    spinning: bool = False
+    blocked: bool = False
+    new: bool = False
+    """Started during the interval; its numbers cover only part of it."""
+    stack: list[str] | None = None
+    """Frames, innermost first, from py-spy (spinning threads only)."""
+    in_mm_cache: bool | None = None
+    """The stack is in the mm cache eviction loop; None when not checked."""
+
+    @property
+    def label(self) -> str:
+        return self.python_name or self.name
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tid": self.tid,
+            "name": self.name,
+            "python_name": self.python_name,
+            "states": self.states,
+            "cpu_seconds": round(self.cpu_seconds, 3),
+            "cpu_fraction": round(self.cpu_fraction, 3),
+            "runnable_fraction": None
+            if self.runnable_fraction is None
+            else round(self.runnable_fraction, 3),
+            "voluntary_switches": self.voluntary_switches,
+            "nonvoluntary_switches": self.nonvoluntary_switches,
+            "syscall": self.syscall,
+            "wchan": self.wchan,
+            "spinning": self.spinning,
+            "blocked": self.blocked,
+            "new": self.new,
+            "stack": self.stack,
+            "in_mm_cache": self.in_mm_cache,
+        }
+
+
+@dataclass
+class StackCheck:
+    """The py-spy part of one process's diagnosis."""
+
+    status: str
+    """``checked``, ``not-found``, ``disabled`` or ``failed``."""
+    detail: str = ""
+    dumps: int = 0
+    text: str | None = None
+    """The last (or the matching) dump, verbatim."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "detail": self.detail,
+            "dumps": self.dumps,
+            "text": self.text,
+        }
+
+
+@dataclass
+class ProcessReport:
+    pid: int
+    ppid: int
+    role: str
+    """``EngineCore``, ``target`` (the PID asked about) or ``descendant``."""
+    comm: str
+    cmdline: str
+    classification: Classification
+    reason: str
+    cpu_fraction: float
+    threads: list[ThreadReport] = field(default_factory=list)
+    stack_check: StackCheck | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "ppid": self.ppid,
+            "role": self.role,
+            "comm": self.comm,
+            "cmdline": self.cmdline,
+            "classification": self.classification.value,
+            "reason": self.reason,
+            "cpu_fraction": round(self.cpu_fraction, 3),
+            "stack_check": None if self.stack_check is None else self.stack_check.as_dict(),
+            "threads": [t.as_dict() for t in self.threads],
+        }
+
+
+@dataclass
+class Diagnosis:
+    pid: int
+    interval: float
+    """Seconds actually sampled."""
+    classification: Classification
+    summary: str
+    remedy: str
+    py_spy: str
+    """How stacks were looked at, for humans."""
+    processes: list[ProcessReport]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "interval": round(self.interval, 3),
+            "classification": self.classification.value,
+            "exit_code": self.exit_code,
+            "summary": self.summary,
+            "remedy": self.remedy,
+            "py_spy": self.py_spy,
+            "notes": list(self.notes),
+            "thresholds": {
+                "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
+                "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
+                "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
+                "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
+                "blocked_states": "".join(sorted(BLOCKED_STATES)),
+            },
+            "processes": [p.as_dict() for p in self.processes],
+        }
+
+
+def exit_code(d: Diagnosis) -> int:
+    """The command's exit status for a diagnosis (see ``EXIT_CODES``)."""
+    return EXIT_CODES[d.classification]

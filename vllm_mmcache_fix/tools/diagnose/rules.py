@@ -1,0 +1,160 @@
+"""What the diagnosis decides from: classes, thresholds, exit codes, remedies."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from ...vllm_layout import (
+    ENGINE_CORE_PROCESS,
+    STACK_FILE_MARKERS,
+)
+
+
+class Classification(str, Enum):
+    SPINNING_IN_MM_CACHE = "SPINNING_IN_MM_CACHE"
+    SPINNING = "SPINNING"
+    SPINNING_ELSEWHERE = "SPINNING_ELSEWHERE"
+    BLOCKED = "BLOCKED"
+    ACTIVE = "ACTIVE"
+    IDLE = "IDLE"
+    EXITED = "EXITED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+C = Classification
+
+# Most severe first; the whole takes the first class any of its processes has.
+SEVERITY: tuple[Classification, ...] = (
+    C.SPINNING_IN_MM_CACHE,
+    C.SPINNING,
+    C.SPINNING_ELSEWHERE,
+    C.BLOCKED,
+    C.ACTIVE,
+    C.IDLE,
+    C.EXITED,
+)
+
+# Exit status of ``vllm-mmcache-fix diagnose`` per overall class. EXIT_ERROR is for
+# DiagnoseError; 2 is left to command-line usage errors.
+EXIT_CODES: dict[Classification, int] = {
+    C.IDLE: 0,
+    C.ACTIVE: 0,
+    C.SPINNING_IN_MM_CACHE: 3,
+    C.SPINNING: 4,
+    C.SPINNING_ELSEWHERE: 5,
+    C.BLOCKED: 6,
+    C.EXITED: 7,
+}
+EXIT_ERROR = 1
+
+SPIN_MIN_CPU_FRACTION = 0.8
+"""A spinning thread uses at least this much of one core over the interval."""
+
+SPIN_MIN_RUNNABLE_FRACTION = 0.9
+"""...or is runnable (running or waiting for a CPU) at least this share of the interval..."""
+
+SPIN_MAX_VOLUNTARY_PER_SEC = 1.0
+"""...and makes at most this many voluntary switches per second (at least 1 is tolerated)."""
+
+IDLE_MAX_CPU_FRACTION = 0.05
+"""An idle process uses at most this much of one core, all threads together."""
+
+BLOCKED_STATES = frozenset("DTt")
+"""Thread states that, held for the whole interval, make a thread blocked."""
+
+STATE_SAMPLE_PERIOD = 0.1
+"""Seconds between thread-state samples during the interval."""
+
+MIN_INTERVAL = 0.2
+"""Shortest interval accepted: CPU time is counted in clock ticks (usually 10 ms)."""
+
+PY_SPY_TIMEOUT = 10.0
+"""Seconds one ``py-spy dump`` may take."""
+
+PY_SPY_MAX_DUMPS = 5
+"""Dumps taken per process until every busy Python thread is seen in the cache loop."""
+
+PY_SPY_BUDGET = 20.0
+"""Seconds all dumps of one process may take together."""
+
+CACHE_FILE_MARKERS = STACK_FILE_MARKERS
+
+ENGINE_CORE_MARKER = ENGINE_CORE_PROCESS
+# comm is cut to 15 bytes: "VLLM::EngineCore" becomes "VLLM::EngineCor".
+# /proc/<pid>/comm holds 15 characters: "VLLM::EngineCor".
+_ENGINE_CORE_COMM = re.compile(re.escape(ENGINE_CORE_PROCESS[:9]))
+
+REMEDIES: dict[Classification, str] = {
+    C.SPINNING_IN_MM_CACHE: (
+        "This is the multimodal processor cache eviction hang; the process cannot recover. "
+        "Restart the server. To prevent it: pip install vllm-mmcache-fix next to vLLM (it "
+        "loads as a vLLM plugin), or start vLLM with --mm-processor-cache-gb 0 (no cache). "
+        "See `vllm-mmcache-fix check`."
+    ),
+    C.SPINNING: (
+        "A thread spins without ever blocking: the signature of the multimodal processor "
+        "cache eviction hang, but its stack was not checked. To confirm, run again with py-spy "
+        "installed (pip install py-spy) as root or as the server's user. If it is that hang: "
+        "restart the server, and prevent it with pip install vllm-mmcache-fix or "
+        "--mm-processor-cache-gb 0 (see `vllm-mmcache-fix check`)."
+    ),
+    C.SPINNING_ELSEWHERE: (
+        "A thread spins, but not in the multimodal cache: this is not the hang "
+        "vllm-mmcache-fix prevents. Take a few `py-spy dump --pid PID` to see where it runs."
+    ),
+    C.BLOCKED: (
+        "Threads are stopped or in uninterruptible sleep for the whole interval. A stopped "
+        "process (T) resumes with `kill -CONT PID` or when its debugger detaches; D means "
+        "a wait in the kernel (disk, network file system, device driver): see wchan/syscall. "
+        "This is not the multimodal cache hang."
+    ),
+    C.ACTIVE: "The processes are working; nothing stuck was seen in this interval.",
+    C.IDLE: (
+        "The processes are idle. If clients are waiting, their requests are not reaching "
+        "these processes."
+    ),
+    C.EXITED: (
+        "The process exited during the sample. If it was the server or its EngineCore, "
+        "check the server's log for why."
+    ),
+}
+
+# A few syscall numbers worth naming in the evidence.
+_SYSCALL_NAMES: dict[str, dict[int, str]] = {
+    "x86_64": {
+        0: "read",
+        7: "poll",
+        23: "select",
+        35: "nanosleep",
+        45: "recvfrom",
+        47: "recvmsg",
+        61: "wait4",
+        202: "futex",
+        230: "clock_nanosleep",
+        232: "epoll_wait",
+        270: "pselect6",
+        271: "ppoll",
+        281: "epoll_pwait",
+        441: "epoll_pwait2",
+    },
+    "aarch64": {
+        22: "epoll_pwait",
+        63: "read",
+        72: "pselect6",
+        73: "ppoll",
+        98: "futex",
+        101: "nanosleep",
+        115: "clock_nanosleep",
+        207: "recvfrom",
+        212: "recvmsg",
+        260: "wait4",
+        441: "epoll_pwait2",
+    },
+}
+
+
+class DiagnoseError(RuntimeError):
+    """The diagnosis could not be made; the message says why."""
