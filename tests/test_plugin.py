@@ -275,10 +275,10 @@ def test_register_never_raises(tree) -> None:
         """
         import vllm.multimodal.cache as m
         import vllm_mmcache_fix
-        from vllm_mmcache_fix import plugin
+        from vllm_mmcache_fix.every_process.lru_eviction import fix
         def boom(**kwargs):
             raise RuntimeError("simulated bug")
-        plugin.locate_mm_cache_factory = boom
+        fix.locate_mm_cache_factory = boom
         vllm_mmcache_fix.register()
         report(cls=type(m.MultiModalCache.get_lru_cache(4.0, bytes)).__name__)
         """,
