@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -69,6 +70,12 @@ def _dead_pid() -> int:
 
 
 @needs_py_spy
+@pytest.mark.xfail(
+    sys.version_info < (3, 11),
+    strict=True,
+    reason="py-spy names threads by pthread id before Python 3.11 (no native_thread_id); "
+    "diagnose does not map those to TIDs, so the spinning thread gets no Python name",
+)
 def test_busy_loop_elsewhere(children: Children) -> None:
     proc = children.start(BUSY)
     assert read_line(proc) == "spinning"
