@@ -131,7 +131,7 @@ def complete_venv(version: str) -> Path:
 
 
 def _log(msg: str) -> None:
-    print(f"[make_venv] {msg}", file=sys.stderr, flush=True)
+    print(f"[make-venv] {msg}", file=sys.stderr, flush=True)
 
 
 def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,6 @@
 """Facts about released vLLM versions, checked on their real sources.
 
-Every release in ``EXPECTED`` is downloaded once (``scripts/fetch_sources.py``) and its files are
+Every release in ``EXPECTED`` is downloaded once (``scripts/fetch-sources``) and its files are
 inspected with ``ast`` or executed without importing vLLM (see ``realsrc``). The table is the
 specification: a failing row means the release differs from what the fix assumes.
 """
@@ -96,7 +96,7 @@ def _sources_present() -> None:
     """Fetch missing releases up front (at most two downloads at a time)."""
     missing = [v for v in BY_VERSION if v not in realsrc.available_versions()]
     if missing and not realsrc.offline():
-        realsrc.fetch_sources.fetch_many(missing, realsrc.CACHETOOLS_VERSIONS)
+        realsrc.sources.fetch_many(missing, realsrc.CACHETOOLS_VERSIONS)
 
 
 def _root(version: str) -> Any:
@@ -199,7 +199,7 @@ def test_loaded_lru_keeps_real_line_numbers(row: Release) -> None:
 @pytest.mark.parametrize("row", _params())
 def test_complete_marker(row: Release) -> None:
     root = _root(row.version)
-    marker = realsrc.fetch_sources.read_marker(root)
+    marker = realsrc.sources.read_marker(root)
     assert marker["version"] == row.version
     assert str(marker["wheel"]).startswith(f"vllm-{row.version}-")
     assert len(str(marker["sha256"])) == 64
