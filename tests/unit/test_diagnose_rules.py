@@ -1,0 +1,324 @@
+"""``diagnose`` on real processes that need nothing downloaded: other spins, stops, sleeps.
+
+The real 0.23.0 cache hang is in ``tests/realsrc/test_diagnose_real.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.children import (
+    BUSY,
+    SLEEPER,
+    Children,
+    as_user,
+    assert_serialisable,
+    dead_pid,
+    hot_thread,
+    only,
+    read_line,
+    time_limit,
+    wait_for_state,
+)
+from vllm_mmcache_fix.tools.diagnose import (
+    EXIT_CODES,
+    Classification,
+    DiagnoseError,
+    ThreadReport,
+    classify_process,
+    diagnose,
+    find_py_spy,
+    parse_py_spy_dump,
+    render,
+    stack_in_mm_cache,
+    thread_is_blocked,
+    thread_is_spinning,
+)
+
+C = Classification
+INTERVAL = 1.0
+TEST_TIMEOUT = 120  # seconds per test, enforced with SIGALRM
+
+PY_SPY = find_py_spy()
+needs_py_spy = pytest.mark.skipif(PY_SPY is None, reason="py-spy not installed")
+
+
+@pytest.fixture(autouse=True)
+def _time_limit() -> Iterator[None]:
+    with time_limit(TEST_TIMEOUT):
+        yield
+
+
+def _dead_pid() -> int:
+    pid = dead_pid()
+    if pid is None:
+        pytest.skip("PID reused at once")
+    return pid
+
+
+# --------------------------------------------------------------------------- (2) elsewhere
+
+
+@needs_py_spy
+@pytest.mark.xfail(
+    sys.version_info < (3, 11),
+    strict=True,
+    reason="py-spy names threads by pthread id before Python 3.11 (no native_thread_id); "
+    "diagnose does not map those to TIDs, so the spinning thread gets no Python name",
+)
+def test_busy_loop_elsewhere(children: Children) -> None:
+    proc = children.start(BUSY)
+    assert read_line(proc) == "spinning"
+    time.sleep(0.2)
+
+    d = diagnose(proc.pid, interval=INTERVAL)
+
+    assert d.classification is C.SPINNING_ELSEWHERE, render(d)
+    hot = hot_thread(only(d, proc.pid))
+    assert hot.python_name == "busy_loop"
+    assert hot.in_mm_cache is False
+    assert hot.stack and "busy" in hot.stack[0]
+    assert "not in the multimodal cache" in d.remedy
+    assert_serialisable(d)
+
+
+def test_busy_loop_without_stacks_only_matches_signature(children: Children) -> None:
+    proc = children.start(BUSY)
+    assert read_line(proc) == "spinning"
+    time.sleep(0.2)
+
+    d = diagnose(proc.pid, interval=INTERVAL, use_py_spy=False)
+
+    assert d.classification is C.SPINNING, render(d)
+    assert "stack not checked" in only(d, proc.pid).reason
+
+
+# --------------------------------------------------------------------------- (3) blocked
+
+
+def test_stopped_process_is_blocked(children: Children) -> None:
+    proc = children.start(SLEEPER)
+    assert read_line(proc) == "ready"
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_for_state(proc.pid, "T")
+    try:
+        d = diagnose(proc.pid, interval=INTERVAL)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+    assert d.classification is C.BLOCKED, render(d)
+    report = only(d, proc.pid)
+    assert all(t.blocked and set(t.states) == {"T"} for t in report.threads)
+    assert not any(t.spinning for t in report.threads)
+    assert "kill -CONT" in d.remedy
+    assert d.exit_code == EXIT_CODES[C.BLOCKED]
+
+
+def _thread(states: str, cpu: float = 0.0, voluntary: int = 0, **kw: object) -> ThreadReport:
+    report = ThreadReport(
+        tid=1,
+        name="t",
+        python_name=None,
+        states=states,
+        cpu_seconds=cpu,
+        cpu_fraction=cpu,
+        runnable_fraction=None,
+        voluntary_switches=voluntary,
+        nonvoluntary_switches=0,
+        syscall=None,
+        wchan="io_schedule",
+    )
+    for key, value in kw.items():
+        setattr(report, key, value)
+    return report
+
+
+def test_blocked_rule() -> None:
+    # Uninterruptible sleep or stopped in every sample: blocked.
+    assert thread_is_blocked("DDDDDDDDDDD")
+    assert thread_is_blocked("TTT") and thread_is_blocked("tt") and thread_is_blocked("DTD")
+    # Leaving that state once (a disk-heavy but working thread) is not.
+    assert not thread_is_blocked("DDDRDDD")
+    assert not thread_is_blocked("SSSSSSS")
+    assert not thread_is_blocked("D")  # one sample proves nothing
+
+    d_thread = _thread("DDDDD", blocked=True)
+    idle = _thread("SSSSS")
+    verdict, reason = classify_process([idle, d_thread], 0.0, stack_checked=False)
+    assert verdict is C.BLOCKED
+    assert "state D" in reason and "io_schedule" in reason
+    # A spin outranks a blocked thread in the same process.
+    spinner = _thread("RRRRR", cpu=1.0, spinning=True)
+    assert classify_process([spinner, d_thread], 1.0, False)[0] is C.SPINNING
+
+
+def test_spin_rule() -> None:
+    assert thread_is_spinning(1.0, None, 0, 2.0)
+    assert thread_is_spinning(0.2, 0.98, 2, 2.0)  # starved on a loaded machine
+    assert not thread_is_spinning(1.0, 1.0, 50, 2.0)  # blocks often: working, not spinning
+    assert not thread_is_spinning(0.3, 0.5, 0, 2.0)
+    assert not thread_is_spinning(0.3, None, 0, 2.0)
+
+
+# --------------------------------------------------------------------------- (4) idle
+
+
+def test_sleeping_process_is_idle(children: Children) -> None:
+    proc = children.start(SLEEPER)
+    assert read_line(proc) == "ready"
+
+    d = diagnose(proc.pid, interval=INTERVAL)
+
+    assert d.classification is C.IDLE, render(d)
+    assert d.exit_code == 0
+    report = only(d, proc.pid)
+    assert report.cpu_fraction <= 0.05
+    # Asleep throughout (one sample may catch it on its way into sleep).
+    assert all(t.states.count("S") >= len(t.states) - 1 for t in report.threads), render(d)
+    assert "no EngineCore process" in " ".join(d.notes)
+    assert_serialisable(d)
+
+
+# --------------------------------------------------------------------------- (5) errors
+
+
+def test_dead_pid() -> None:
+    pid = _dead_pid()
+    with pytest.raises(DiagnoseError, match=f"^no process with PID {pid}$"):
+        diagnose(pid, interval=INTERVAL)
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_invalid_pid(bad: int) -> None:
+    with pytest.raises(DiagnoseError, match="invalid PID"):
+        diagnose(bad)
+
+
+def test_interval_too_short(children: Children) -> None:
+    with pytest.raises(DiagnoseError, match="interval"):
+        diagnose(os.getpid(), interval=0.0)
+
+
+@pytest.mark.parametrize("reap", [True, False], ids=["reaped", "zombie"])
+def test_exits_mid_sample(children: Children, reap: bool) -> None:
+    proc = children.start(SLEEPER, "0.5")
+    assert read_line(proc) == "ready"
+    if reap:
+        reaper = threading.Thread(target=proc.wait, daemon=True)
+        reaper.start()
+
+    d = diagnose(proc.pid, interval=INTERVAL)
+
+    assert d.classification is C.EXITED, render(d)
+    reason = only(d, proc.pid).reason
+    assert ("zombie" in reason) is (not reap)
+    assert d.exit_code == EXIT_CODES[C.EXITED]
+    assert_serialisable(d)
+
+
+def _copy_proc_entry(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
+    dst.chmod(0o644)
+
+
+def test_unreadable_file_is_named(children: Children) -> None:
+    """A required /proc file this user may not read (as with ``hidepid``) is named."""
+    proc = children.start(SLEEPER)
+    assert read_line(proc) == "ready"
+    fake = Path(tempfile.mkdtemp(prefix="diag-proc-", dir="/tmp"))
+    try:
+        fake.chmod(0o755)
+        pid = proc.pid
+        for name in ("stat", "cmdline", "comm"):
+            _copy_proc_entry(Path(f"/proc/{pid}/{name}"), fake / str(pid) / name)
+        for name in ("stat", "status", "comm"):
+            _copy_proc_entry(
+                Path(f"/proc/{pid}/task/{pid}/{name}"), fake / str(pid) / "task" / str(pid) / name
+            )
+        for directory in (
+            fake / str(pid),
+            fake / str(pid) / "task",
+            fake / str(pid) / "task" / str(pid),
+        ):
+            directory.chmod(0o755)
+        locked = fake / str(pid) / "task" / str(pid) / "status"
+        locked.chmod(0)
+
+        def run() -> str:
+            try:
+                diagnose(pid, interval=0.3, use_py_spy=False, proc_root=fake)
+            except DiagnoseError as exc:
+                return f"DiagnoseError: {exc}"
+            return "no error"
+
+        if os.geteuid() == 0:
+            message = as_user(run)  # root reads anything: drop to nobody
+        else:
+            message = run()
+        assert message == (
+            f"DiagnoseError: cannot read {locked}: permission denied; "
+            "run as the user that runs vLLM, or as root"
+        )
+    finally:
+        shutil.rmtree(fake, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+DUMP = """\
+Process 4242: VLLM::EngineCore
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4242 (idle): "MainThread"
+    Queue.get (/usr/lib/python3.11/queue.py:171)
+    EngineCoreProc.run_busy_loop (/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py:810)
+Thread 4250 (active+gil): "process_input_sockets"
+    LRUCache.pop (/venv/lib/python3.11/site-packages/vllm/utils/cache.py:152)
+    LRUCache.popitem (/venv/lib/python3.11/site-packages/vllm/utils/cache.py:205)
+    Cache.__setitem__ (/venv/lib/python3.11/site-packages/cachetools/__init__.py:83)
+    LRUCache.__setitem__ (/venv/lib/python3.11/site-packages/cachetools/__init__.py:358)
+    MultiModalReceiverCache.get_and_update_item (/venv/vllm/multimodal/cache.py:560)
+Thread 0x7F00AA (idle)
+    run (<string>)
+"""
+
+
+def test_parse_py_spy_dump_and_stack_rule() -> None:
+    threads = parse_py_spy_dump(DUMP)
+    assert [(t.tid, t.name, t.status) for t in threads] == [
+        (4242, "MainThread", "idle"),
+        (4250, "process_input_sockets", "active+gil"),
+        (None, None, "idle"),
+    ]
+    main, hot, anon = threads
+    assert hot.frames[1] == (
+        "LRUCache.popitem",
+        "/venv/lib/python3.11/site-packages/vllm/utils/cache.py",
+        205,
+    )
+    assert anon.frames == [("run", "<string>", None)]
+    assert stack_in_mm_cache((f, p) for f, p, _ in hot.frames)
+    assert not stack_in_mm_cache((f, p) for f, p, _ in main.frames)
+    # clear() and remove_oldest() of older layouts evict through popitem as well.
+    old = [
+        ("popitem", "/x/vllm/utils/__init__.py"),
+        ("remove_oldest", "/x/vllm/utils/__init__.py"),
+        ("clear", "/x/vllm/utils/__init__.py"),
+    ]
+    assert stack_in_mm_cache(old)
+    # Between two popitem calls there is no popitem frame: not enough on its own.
+    assert not stack_in_mm_cache([("Cache.__setitem__", "/x/cachetools/__init__.py")])
+    # A popitem of some other class does not count.
+    assert not stack_in_mm_cache([("popitem", "/x/app.py"), ("__setitem__", "/x/app.py")])
