@@ -22,11 +22,12 @@ The files (per release, the first one present of each group):
 
 vLLM's own conftests are used. What this machine cannot give them:
 
-* no hub: the model id the multimodal tests build a ``ModelConfig`` for gets a
-  config-only stand-in (a ``config.json`` in a private, offline ``HF_HOME``);
-  these tests need a multimodal architecture and the cache settings, no
-  weights, tokenizer or processor. Where the venv cannot import vLLM's
-  ``llava_onevision`` module, the stand-in is a Qwen2-VL config (reported);
+* no hub: the model ids the multimodal tests build a ``ModelConfig`` for get a
+  weightless stand-in (``config.json`` and a small tokenizer in a private,
+  offline ``HF_HOME``, see :data:`STANDINS`); these tests need a multimodal
+  architecture, the cache settings and a tokenizer that loads, no weights or
+  processor. Where the venv cannot import the vLLM module of a model's
+  architecture, its stand-in is a Qwen2-VL config (reported);
 * no ``ray``: the LoRA teardown's ``shutdown_ray=True`` is dropped (see
   ``vllm_tests_plugin``);
 * the tests in :data:`DESELECT`, with the reason.
@@ -60,6 +61,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VERSIONS: tuple[str, ...] = ("0.23.0", "0.27.1", "0.32.0")
 MODES: tuple[str, ...] = ("vllm", "plugin")
+# Beyond production, on request: the plugin plus vLLM's LRUCache name bound to the fixed
+# class, so vLLM's own LRUCache tests (and LoRA's caches) run against it.
+EXTRA_MODES: tuple[str, ...] = ("fixed-lru",)
 
 VENV_MARKER = ".mmcache-fix-venv.json"
 VENV_MARKER_SCHEMA = 2
@@ -104,19 +108,12 @@ DESELECT: tuple[tuple[str, str, str], ...] = (
         "(vllm.utils.torch_utils.PIN_MEMORY is True off WSL); the venvs' CUDA build of "
         "torch needs an NVIDIA driver for that ('Found no NVIDIA driver on your system')",
     ),
-    (
-        "tests/multimodal/test_cache.py",
-        "test_release_kv_cache_resends_mm_payload",
-        "hub: build_model_context('llava-hf/llava-v1.6-mistral-7b-hf') loads the "
-        "model's tokenizer and processor from the hub",
-    ),
 )
 
-# Config-only stand-ins for the hub model the selected multimodal tests build a
-# ModelConfig for (they need a multimodal architecture and the cache settings, no
-# weights, tokenizer or processor). Written here, not downloaded; transformers
-# fills in the defaults.
-STANDIN_MODEL = "llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
+# Weightless stand-ins for the hub models the selected multimodal tests build a
+# ModelConfig for (they need a multimodal architecture, the cache settings and a
+# tokenizer that loads; no weights or processor). Written here, not downloaded;
+# transformers fills in the defaults.
 LLAVA_ONEVISION_STANDIN: dict[str, Any] = {
     "architectures": ["LlavaOnevisionForConditionalGeneration"],
     "model_type": "llava_onevision",
@@ -145,8 +142,39 @@ LLAVA_ONEVISION_STANDIN: dict[str, Any] = {
         "patch_size": 14,
     },
 }
-# Used for the same model id when the venv cannot import vLLM's llava_onevision
-# module (vLLM 0.27.1 with transformers >= 5.24: PixtralRotaryEmbedding is gone);
+LLAVA_NEXT_STANDIN: dict[str, Any] = {
+    "architectures": ["LlavaNextForConditionalGeneration"],
+    "model_type": "llava_next",
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "image_token_index": 32000,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "text_config": {
+        "model_type": "mistral",
+        "dtype": "bfloat16",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32064,
+        "max_position_embeddings": 32768,
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "image_size": 336,
+        "patch_size": 14,
+        "projection_dim": 768,
+    },
+}
+# Used for a model id whose vLLM module does not import in the venv (vLLM 0.27.1's
+# llava_onevision with transformers >= 5.24: PixtralRotaryEmbedding is gone);
 # Qwen2-VL is the architecture scripts/make_venv.py checks in every venv.
 QWEN2_VL_STANDIN: dict[str, Any] = {
     "architectures": ["Qwen2VLForConditionalGeneration"],
@@ -179,7 +207,73 @@ QWEN2_VL_STANDIN: dict[str, Any] = {
         "temporal_patch_size": 2,
     },
 }
+
+# Hub model id -> (vLLM module of its architecture, stand-in config).
+STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf": (
+        "vllm.model_executor.models.llava_onevision",
+        LLAVA_ONEVISION_STANDIN,
+    ),
+    "llava-hf/llava-v1.6-mistral-7b-hf": (
+        "vllm.model_executor.models.llava_next",
+        LLAVA_NEXT_STANDIN,
+    ),
+}
+FALLBACK_STANDIN = ("vllm.model_executor.models.qwen2_vl", QWEN2_VL_STANDIN)
+# vLLM's multimodal registry loads the model's tokenizer before it decides the
+# model takes multimodal inputs; without one the tests' caches are never built
+# (the model runs "text-only"). A small word-level tokenizer is enough for that.
+_STANDIN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<image>",
+    "<video>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_STANDIN_WORDS = ("system", "user", "assistant", "what", "is", "in", "the", "image", "?")
 _STANDIN_REVISION = "0" * 40
+
+
+def standin_tokenizer_files() -> dict[str, dict[str, Any]]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of the stand-ins."""
+    words = ("<unk>", *_STANDIN_SPECIAL_TOKENS, *_STANDIN_WORDS)
+    vocab = {word: i for i, word in enumerate(words)}
+    added = [
+        {
+            "id": vocab[token],
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for token in _STANDIN_SPECIAL_TOKENS
+    ]
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 32768,
+    }
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
 
 RUN_TIMEOUT_S = 1200
 PIP_TIMEOUT_S = 900
@@ -449,42 +543,64 @@ def select_files(root: Path) -> list[tuple[str, str | None]]:
     return chosen
 
 
-def _imports(python: Path, module: str) -> tuple[bool, str]:
+def _import_errors(python: Path, modules: Sequence[str]) -> dict[str, str]:
+    """``{module: last line of the error}`` for the modules that do not import."""
+    code = (
+        "import importlib, json, sys\n"
+        "errors = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        errors[name] = f'{type(exc).__name__}: {exc}'\n"
+        "print(json.dumps(errors))\n"
+    )
     proc = subprocess.run(
-        [str(python), "-c", f"import {module}"],
+        [str(python), "-c", code, *modules],
         capture_output=True,
         text=True,
-        check=False,
+        check=True,
         timeout=300,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""},
     )
-    lines = proc.stderr.strip().splitlines()
-    return proc.returncode == 0, (lines[-1] if lines else "")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def standin_config(python: Path) -> tuple[dict[str, Any], str]:
-    """The stand-in config for :data:`STANDIN_MODEL` in this venv, and why."""
-    ok, error = _imports(python, "vllm.model_executor.models.llava_onevision")
-    if ok:
-        return LLAVA_ONEVISION_STANDIN, "LlavaOnevisionForConditionalGeneration"
-    return QWEN2_VL_STANDIN, (
-        "Qwen2VLForConditionalGeneration (vllm.model_executor.models.llava_onevision "
-        f"does not import in this venv: {error})"
-    )
+def standin_configs(python: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The stand-in config of each :data:`STANDINS` model in this venv, and which one."""
+    modules = sorted({module for module, _ in STANDINS.values()} | {FALLBACK_STANDIN[0]})
+    errors = _import_errors(python, modules)
+    if FALLBACK_STANDIN[0] in errors:
+        raise RuntimeError(f"{FALLBACK_STANDIN[0]} does not import: {errors}")
+    configs: dict[str, dict[str, Any]] = {}
+    notes: dict[str, str] = {}
+    for model, (module, config) in STANDINS.items():
+        if module in errors:
+            configs[model] = FALLBACK_STANDIN[1]
+            notes[model] = (
+                f"{FALLBACK_STANDIN[1]['architectures'][0]} ({module} does not import "
+                f"in this venv: {errors[module]})"
+            )
+        else:
+            configs[model] = config
+            notes[model] = config["architectures"][0]
+    return configs, notes
 
 
 def ensure_hf_standins(home: Path, configs: dict[str, dict[str, Any]]) -> Path:
-    """An offline ``HF_HOME`` holding config-only stand-ins; idempotent."""
+    """An offline ``HF_HOME`` holding the weightless stand-ins; idempotent."""
     for repo, config in configs.items():
         model = home / "hub" / ("models--" + repo.replace("/", "--"))
         snapshot = model / "snapshots" / _STANDIN_REVISION
         snapshot.mkdir(parents=True, exist_ok=True)
         (model / "refs").mkdir(parents=True, exist_ok=True)
         (model / "refs" / "main").write_text(_STANDIN_REVISION, encoding="utf-8")
-        text = json.dumps(config, indent=1, sort_keys=True)
-        path = snapshot / "config.json"
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
+        files = {"config.json": config, **standin_tokenizer_files()}
+        for name, content in files.items():
+            text = json.dumps(content, indent=1, sort_keys=True)
+            path = snapshot / name
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                path.write_text(text, encoding="utf-8")
     return home
 
 
@@ -511,15 +627,15 @@ def prepare_release(version: str) -> Release:
     venv = wait_for_venv(version)
     installed = ensure_test_requirements(venv)
     root = fetch_tests(version, venv_python(venv))
-    config, why = standin_config(venv_python(venv))
-    home = ensure_hf_standins(hf_home(version), {STANDIN_MODEL: config})
+    configs, notes = standin_configs(venv_python(venv))
+    home = ensure_hf_standins(hf_home(version), configs)
     release = Release(
         version=version,
         venv=venv,
         root=root,
         files=select_files(root),
         hf_home=home,
-        standins={STANDIN_MODEL: why},
+        standins=notes,
         installed=installed,
     )
     _prepared[version] = release
@@ -546,8 +662,12 @@ class RunResult:
     plugin_module: str | None
     registered_before_tests: bool
     log: Path
+    caches_built: dict[str, int] = field(default_factory=dict)
+    """"plugin" mode: multimodal caches built by ``get_lru_cache`` during each test."""
+    lru_subclasses: dict[str, bool] = field(default_factory=dict)
+    """"fixed-lru" mode: loaded subclasses of vLLM's LRUCache -> runs the fixed class."""
     standins: dict[str, str] = field(default_factory=dict)
-    """Hub model id -> the architecture of its config-only stand-in (and why)."""
+    """Hub model id -> the architecture of its weightless stand-in (and why)."""
     problems: list[str] = field(default_factory=list)
     """Why the run cannot be trusted (plugin not active, vLLM leaked in, ...)."""
 
@@ -572,7 +692,7 @@ class RunResult:
 
     @property
     def plugin_active(self) -> bool:
-        return self.mode == "plugin" and not self.problems
+        return self.mode != "vllm" and not self.problems
 
 
 def _check_mode(mode: str, data: dict[str, Any]) -> list[str]:
@@ -606,6 +726,8 @@ def _check_mode(mode: str, data: dict[str, Any]) -> list[str]:
         problems.append(f"drift guard did not patch the sender cache: {drift}")
     if probe.get("fixed") is not True:
         problems.append(f"probe cache is not the fixed class: {probe}")
+    if mode == "fixed-lru" and not data.get("substituted"):
+        problems.append("vLLM's LRUCache name was not bound to the fixed class")
     return problems
 
 
@@ -640,8 +762,8 @@ def _run_env(mode: str, config_path: Path, home: Path) -> dict[str, str]:
 
 def run_tests(version: str, mode: str, *, timeout_s: float = RUN_TIMEOUT_S) -> RunResult:
     """Run the selected vLLM tests of ``version`` in its venv in ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if mode not in MODES + EXTRA_MODES:
+        raise ValueError(f"mode must be one of {MODES + EXTRA_MODES}, not {mode!r}")
     release = prepare_release(version)
     venv, root, files = release.venv, release.root, release.files
     out_dir = runs_dir()
@@ -714,6 +836,8 @@ def run_tests(version: str, mode: str, *, timeout_s: float = RUN_TIMEOUT_S) -> R
         registered_before_tests=bool(data["registered_before_tests"]),
         log=log_path,
         standins=release.standins,
+        caches_built=data.get("caches_built") or {},
+        lru_subclasses=data.get("lru_subclasses") or {},
     )
     result.problems = _check_mode(mode, data)
     if data["collect_errors"]:
@@ -747,6 +871,14 @@ def _first_line(text: str, limit: int = 160) -> str:
     return (lines[-1] if lines else "")[:limit]
 
 
+def _compared(runs: dict[str, RunResult]) -> list[tuple[RunResult, RunResult]]:
+    """(vLLM alone, other mode) for every other mode that ran."""
+    base = runs.get("vllm")
+    if base is None:
+        return []
+    return [(base, other) for mode, other in runs.items() if mode != "vllm"]
+
+
 def format_table(results: dict[str, dict[str, RunResult]]) -> str:
     rows = [
         ("release", "mode", "run", "passed", "failed", "skipped", "deselected", "secs", "check")
@@ -771,27 +903,33 @@ def format_table(results: dict[str, dict[str, RunResult]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     out = ["\n".join(lines)]
     for version, runs in results.items():
+        out.append("")
         for mode, r in runs.items():
             for problem in r.problems:
                 out.append(f"{version} [{mode}] not trusted: {problem}")
-        base, other = runs.get("vllm"), runs.get("plugin")
-        if base is None or other is None:
-            continue
-        diff = differing(base, other)
-        if diff:
-            out.append(f"\n{version}: outcome differs (vllm -> plugin):")
+        for mode, r in runs.items():
+            if r.lru_subclasses:
+                listed = ", ".join(
+                    f"{n} ({'fixed' if f else 'NOT fixed'})" for n, f in r.lru_subclasses.items()
+                )
+                out.append(f"{version} [{mode}] LRUCache subclasses: {listed}")
+        for base, other in _compared(runs):
+            diff = differing(base, other)
+            if not diff:
+                out.append(f"{version}: same outcome for every test (vllm, {other.mode})")
+                continue
+            out.append(f"{version}: outcome differs (vllm -> {other.mode}):")
             for name, (a, b) in diff.items():
                 out.append(f"  {name}: {a} -> {b}")
                 detail = other.details.get(name) or base.details.get(name) or ""
                 if detail:
                     out.append(f"      {_first_line(detail)}")
-        else:
-            out.append(f"\n{version}: same outcome for every test in both modes")
-        both = base.failed & other.failed
-        if both:
-            out.append(f"{version}: failing in both modes: {', '.join(sorted(both))}")
+        base = runs.get("vllm") or next(iter(runs.values()))
+        failing = set.intersection(*(r.failed for r in runs.values()))
+        if failing:
+            out.append(f"{version}: failing in every mode: {', '.join(sorted(failing))}")
         for model, why in base.standins.items():
-            out.append(f"{version}: {model} is a config-only stand-in: {why}")
+            out.append(f"{version}: {model} is a weightless stand-in: {why}")
         absent = [f"{p}::{f}" for p, f, _ in base.unmatched_deselect]
         if absent:
             out.append(
@@ -799,39 +937,55 @@ def format_table(results: dict[str, dict[str, RunResult]]) -> str:
                 + ", ".join(absent)
             )
         if base.deselected:
-            out.append(f"{version}: deselected (both modes):")
+            out.append(f"{version}: deselected (every mode):")
             for name, reason in sorted(base.deselected.items()):
                 out.append(f"  {name}: {reason}")
-        skips = {n: base.details.get(n, "") for n in sorted(base.skipped)}
-        for name, reason in skips.items():
-            out.append(f"{version}: skipped by vLLM: {name}: {reason}")
+        plugin = runs.get("plugin")
+        idle = sorted(
+            n
+            for n, count in (plugin.caches_built if plugin else {}).items()
+            if count == 0 and n.startswith("tests/multimodal/") and n in plugin.passed
+        )
+        if idle:
+            out.append(
+                f"{version}: multimodal tests that built no cache through get_lru_cache: "
+                + ", ".join(idle)
+            )
+        for name in sorted(base.skipped):
+            out.append(f"{version}: skipped by vLLM: {name}: {base.details.get(name, '')}")
     return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS))
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES + EXTRA_MODES,
+        default=list(MODES),
+        help="fixed-lru: also run vLLM's LRUCache tests against the fixed class",
+    )
     parser.add_argument(
         "--wait", type=float, default=0.0, help="seconds to wait for each venv's marker"
     )
     parser.add_argument("--details", action="store_true", help="print each differing traceback")
     args = parser.parse_args(argv)
+    modes = ["vllm", *[m for m in args.modes if m != "vllm"]]
     results: dict[str, dict[str, RunResult]] = {}
     for version in args.versions:
         wait_for_venv(version, timeout_s=args.wait)
-        results[version] = run_release(version, args.modes)
+        results[version] = run_release(version, modes)
     print(format_table(results))
     if args.details:
         for version, runs in results.items():
-            if "vllm" in runs and "plugin" in runs:
-                for name in differing(runs["vllm"], runs["plugin"]):
-                    print(f"\n===== {version} {name} [plugin]\n{runs['plugin'].details.get(name)}")
+            for base, other in _compared(runs):
+                for name in differing(base, other):
+                    detail = other.details.get(name) or base.details.get(name)
+                    print(f"\n===== {version} {name} [{other.mode}]\n{detail}")
     trusted = all(not r.problems for runs in results.values() for r in runs.values())
     same = all(
-        runs["vllm"].passed == runs["plugin"].passed
-        for runs in results.values()
-        if "vllm" in runs and "plugin" in runs
+        base.passed == other.passed for runs in results.values() for base, other in _compared(runs)
     )
     return 0 if trusted and same else 1
 

@@ -9,7 +9,10 @@ named by ``MMCACHE_FIX_VLLM_TESTS_CONFIG``:
     ``"vllm"``: vLLM alone. ``"plugin"``: ``vllm_mmcache_fix.register()`` is
     called when this module is imported, which pytest does before it loads any
     conftest or test module, the way vLLM's ``load_general_plugins()`` calls it
-    before the engine builds its caches.
+    before the engine builds its caches. ``"fixed-lru"`` (beyond production):
+    as ``"plugin"``, and vLLM's ``LRUCache`` name is then bound to the plugin's
+    fixed subclass, so every LRU cache vLLM's tests build (``TestLRUCache`` of
+    ``tests/utils_/test_cache.py``, LoRA's) runs the fixed touch/popitem/clear.
 ``out``
     Where the per-test outcomes, the plugin's ``status()`` and a cache probe are
     written (JSON) at the end of the session.
@@ -50,14 +53,14 @@ def _load_config() -> dict[str, Any]:
 
 CONFIG = _load_config()
 MODE = CONFIG["mode"]
-if MODE not in ("vllm", "plugin"):
+if MODE not in ("vllm", "plugin", "fixed-lru"):
     raise RuntimeError(f"unknown mode {MODE!r}")
 
 _registered_at: float | None = None
 # What was already imported when register() ran (vLLM's own modules normally are not).
 _vllm_modules_at_register: list[str] = []
 _status_at_register: dict[str, Any] | None = None
-if MODE == "plugin":
+if MODE in ("plugin", "fixed-lru"):
     _vllm_modules_at_register = sorted(m for m in sys.modules if m.split(".")[0] == "vllm")
 
     import vllm_mmcache_fix
@@ -67,6 +70,43 @@ if MODE == "plugin":
     _status_at_register = vllm_mmcache_fix.status()
 
 _adaptations: list[str] = []
+_substituted: list[str] = []
+
+
+def _bind_lru_cache_to_the_fixed_class() -> None:
+    from vllm_mmcache_fix.fixed_cache import fixed_lru_class
+    from vllm_mmcache_fix.locate import locate_lru_class
+
+    base = locate_lru_class(import_modules=True)
+    fixed = fixed_lru_class(base)
+    for name in (base.__module__, "vllm.utils"):
+        module = sys.modules.get(name)
+        if module is not None and module.__dict__.get("LRUCache") is base:
+            module.LRUCache = fixed
+            _substituted.append(f"{name}.LRUCache")
+
+
+if MODE == "fixed-lru":
+    _bind_lru_cache_to_the_fixed_class()
+
+
+def _lru_subclasses() -> dict[str, bool]:
+    """ "fixed-lru" mode: every loaded subclass of vLLM's LRUCache, and whether it is fixed."""
+    if MODE != "fixed-lru":
+        return {}
+    from vllm_mmcache_fix.fixed_cache import BASE_ATTR
+
+    fixed = sys.modules[_substituted[0].rsplit(".", 1)[0]].LRUCache
+    base = getattr(fixed, BASE_ATTR)
+    seen: dict[str, bool] = {}
+    todo = list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name not in seen:
+            seen[name] = bool(getattr(cls, FIXED_MARKER, False))
+            todo.extend(cls.__subclasses__())
+    return dict(sorted(seen.items()))
 
 
 def _skip_ray_shutdown_when_ray_is_absent() -> None:
@@ -105,6 +145,8 @@ class _Recorder:
         self.unmatched_deselect: list[list[str]] = []
         self.collect_errors: dict[str, str] = {}
         self.status_after_collection: dict[str, Any] | None = None
+        # "plugin" mode: caches built through get_lru_cache while each test ran.
+        self.caches_built: dict[str, int] = {}
 
     # ------------------------------------------------------------------ selection
 
@@ -183,10 +225,13 @@ class _Recorder:
             "unmatched_deselect": self.unmatched_deselect,
             "collect_errors": self.collect_errors,
             "adaptations": _adaptations,
+            "substituted": _substituted,
+            "lru_subclasses": _lru_subclasses(),
             "registered_before_tests": _registered_at is not None,
             "vllm_modules_at_register": _vllm_modules_at_register,
             "status_at_register": _status_at_register,
             "status_after_collection": self.status_after_collection,
+            "caches_built": self.caches_built,
             "status": status,
             "plugin_module": _plugin_module_file(),
             "probe": _probe(),
@@ -258,6 +303,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     _recorder.collect_report(report)
+
+
+def _built() -> int:
+    status = _plugin_status()
+    return int(status.get("caches_built", 0)) if isinstance(status, dict) else 0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    before = _built()
+    try:
+        return (yield)
+    finally:
+        if MODE != "vllm":
+            _recorder.caches_built[item.nodeid] = _built() - before
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
