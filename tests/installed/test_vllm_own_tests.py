@@ -31,8 +31,8 @@ def runs(request: pytest.FixtureRequest) -> dict[str, vllm_tests.RunResult]:
 def _describe(run: vllm_tests.RunResult, names: set[str]) -> str:
     lines = []
     for name in sorted(names):
-        detail = run.details.get(name, "")
-        lines.append(f"{name} [{run.mode}: {run.outcomes.get(name)}]\n{detail[-1500:]}")
+        tail = "\n".join(run.details.get(name, "").splitlines()[-20:])
+        lines.append(f"{name} [{run.mode}: {run.outcomes.get(name)}]\n{tail}")
     return "\n\n".join(lines)
 
 
