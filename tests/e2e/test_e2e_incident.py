@@ -25,6 +25,8 @@ from harness import incident
 from harness.paths import REPO_ROOT as ROOT
 from harness.readme import guide_blocks
 from harness.venvs import e2e_versions, set_plugin
+from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX
+from vllm_mmcache_fix.core.settings import ENV_FAIL_AT
 
 VERSIONS = e2e_versions()
 
@@ -107,3 +109,29 @@ def test_incident_with_plugin(version: str, plugin_wheel: Path, vllm_venv) -> No
         timeout=60,
     )
     assert grep.returncode == 0 and len(grep.stdout.splitlines()) >= 2, grep
+
+
+FAULT_VERSIONS = [v for v in VERSIONS if v in ("0.23.0", "0.32.0")] or VERSIONS[:1]
+
+
+@pytest.mark.parametrize("version", FAULT_VERSIONS)
+def test_incident_with_the_plugin_failing_inside(
+    version: str, plugin_wheel: Path, vllm_venv
+) -> None:
+    """Every guarded site of the plugin raises (``MMCACHE_FIX_FAIL_AT=*``): the server
+    answers at least as well as without the plugin, and the log says what failed."""
+    venv = vllm_venv(version)
+    set_plugin(venv, plugin_wheel)
+    result = incident.run_incident(venv, n_images=20, env={ENV_FAIL_AT: "*"})
+    print(_report(result))
+    assert result.started, result.error
+    assert not result.hung, _report(result)
+    a, b = result.step("a:long+img0"), result.step("b:short+img0")
+    assert a is not None and a.status == 400, _report(result)
+    # Without the plugin: a 500 here (and on 0.23.0 the freeze later on).
+    assert b is not None and not b.timed_out and b.status in (200, 500), _report(result)
+    new_images = [s for s in result.steps if s.step.startswith("c:")]
+    assert len(new_images) == 20 and all(s.ok for s in new_images), _report(result)
+    log = Path(result.log_path).read_text(errors="replace")
+    assert f"{PREFIX}{INTERNAL_ERROR} in mm-drift-guard" in log, _report(result)
+    assert "vLLM goes on as without it" in log
