@@ -53,6 +53,7 @@ from vllm_mmcache_fix.tools.source_patch import (
     PatchError,
     apply_unified_diff,
 )
+from vllm_mmcache_fix.vllm_layout import FACTORY_LAYOUTS, MM_CACHE_FACTORY
 
 FIX_ID = "mm-lru-eviction"
 CLASS_NAME = "_FixedLRUCache"
@@ -62,11 +63,7 @@ REPORTED_ATTR = "_mmcache_fix_reported"
 DEFAULT_OUT = REPO_ROOT / "patches"
 
 # (target file, owner class) of ``get_lru_cache``; most recent layout first.
-TARGETS: tuple[tuple[str, str], ...] = (
-    ("vllm/multimodal/cache/base.py", "MultiModalCache"),
-    ("vllm/multimodal/cache.py", "MultiModalCache"),
-    ("vllm/multimodal/processing.py", "ProcessingCache"),
-)
+TARGETS: tuple[tuple[str, str], ...] = (*((c.file, c.owner) for c in FACTORY_LAYOUTS),)
 
 # Module-level names of the target the generated class may use.
 TARGET_GLOBALS = frozenset({"LRUCache", "logger"})
@@ -338,7 +335,7 @@ def _factory(tree: ast.Module, owner: str) -> ast.FunctionDef | None:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == owner:
             for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "get_lru_cache":
+                if isinstance(item, ast.FunctionDef) and item.name == MM_CACHE_FACTORY:
                     return item
     return None
 

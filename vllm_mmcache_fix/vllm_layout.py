@@ -97,7 +97,7 @@ DRIFT_TARGETS: tuple[DriftTarget, ...] = (
         "sender",
         (
             ClassLayout("vllm.multimodal.cache.lru", "LruKeyReplicatedSenderCache", "0.31+"),
-            ClassLayout("vllm.multimodal.cache", "MultiModalProcessorSenderCache", "0.10.1.1-0.30"),
+            ClassLayout("vllm.multimodal.cache", "MultiModalProcessorSenderCache", "0.10.2-0.30"),
         ),
         required=("get_and_update_item", "is_cached_item"),
         # touch_sender_cache_item arrived in 0.12.0; invalidate with the miss error in 0.28.0.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,7 @@ def _forget(key: tuple[int, str], change: _InstanceChange) -> None:
 def _track(key: tuple[int, str], obj: Any, change_of: Any) -> None:
     # change_of(ref) builds the record; the callback drops it when obj dies.
     holder: list[_InstanceChange] = []
+    ref: Callable[[], Any]
     try:
         ref = weakref.ref(obj, lambda _r: _forget(key, holder[0]))
     except TypeError:
@@ -148,7 +150,7 @@ def original_class(obj: Any) -> type:
     with _lock:
         change = _instances.get((id(obj), "__class__"))
         if change is not None and change.ref() is obj:
-            return change.before  # type: ignore[no-any-return]
+            return change.before
         return type(obj)
 
 

@@ -88,7 +88,7 @@ def _entry_point_found() -> bool:
     try:
         eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
     except TypeError:  # Python 3.9
-        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[attr-defined]
+        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])  # type: ignore[arg-type,unused-ignore]
     return any(ep.name == ENTRY_POINT_NAME for ep in eps)
 
 

@@ -39,7 +39,7 @@ def install() -> dict[str, Any]:
     """Install the drift guard alone (the plugin installs it with the eviction fix)."""
     guard = _guard()
     guard.install()
-    return guard.status()  # type: ignore[no-any-return]
+    return guard.status()
 
 
 def uninstall() -> None:
@@ -47,4 +47,4 @@ def uninstall() -> None:
 
 
 def status() -> dict[str, Any]:
-    return _guard().status()  # type: ignore[no-any-return]
+    return _guard().status()

@@ -37,7 +37,7 @@ _local = threading.local()
 def scope() -> RequestScope:
     """This thread's scope."""
     try:
-        return _local.scope  # type: ignore[no-any-return]
+        return _local.scope
     except AttributeError:
         current = _local.scope = RequestScope()
         return current

@@ -52,7 +52,7 @@ def check_lru(lru: Any) -> str | None:
 def _attach(sender: Any) -> Shadow | None:
     lru = getattr(sender, SENDER_LRU_ATTR, None)
     reason = check_lru(lru)
-    if reason is not None:
+    if lru is None or reason is not None:
         registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, _UNSUPPORTED)
         STATE.fix.note(f"sender cache not tracked: {reason}")
         return None
@@ -99,7 +99,7 @@ def shadow_of(sender: Any) -> Shadow | None:
                 return _attach(sender)
     if not shadow or not shadow.alive:
         return None
-    return shadow  # type: ignore[no-any-return]
+    return shadow
 
 
 def _live_shadow(sender: Any) -> Shadow | None:
@@ -164,12 +164,12 @@ def wrap_touch(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
             before = None
             with _S_TOUCH_BEFORE:
                 before = (mm_hash in shadow.lru._Cache__data, shadow.seq.get(mm_hash))
-            result = orig(self, mm_hash)
+            orig(self, mm_hash)
             if before is not None and before[0]:
                 with _S_TOUCH_AFTER:
                     if shadow.alive and mm_hash in shadow.lru._Cache__data:
                         shadow.note_access(mm_hash, scope().journal, before[1])
-        return result
+        return None
 
     return touch_sender_cache_item
 

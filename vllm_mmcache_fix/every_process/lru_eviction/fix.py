@@ -26,6 +26,12 @@ class LruEvictionFix(Fix):
 
     def __init__(self) -> None:
         super().__init__()
+        self._site_build = self.errors.site("lru.cache_built")
+        self._site_repair = self.errors.site("lru.repair_log")
+        self._repair_limiter = log.RateLimiter(REPAIR_LOG_INTERVAL_S)
+        self._reset()
+
+    def _reset(self) -> None:
         self.mode: Mode | None = None
         self.installed = False
         self.waiting_for_import = False
@@ -38,9 +44,6 @@ class LruEvictionFix(Fix):
         """The "active" line, held back until vLLM's logging is set up."""
         self.warned = False
         self._subscription: Any = None
-        self._site_build = self.errors.site("lru.cache_built")
-        self._site_repair = self.errors.site("lru.repair_log")
-        self._repair_limiter = log.RateLimiter(REPAIR_LOG_INTERVAL_S)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -64,7 +67,7 @@ class LruEvictionFix(Fix):
         registry.revert_patch(PATCH_FIX)
         registry.revert_patch(PATCH_OBSERVE)
         fixed_cache.remove_repair_listener(self._on_repair)
-        self.__init__()  # type: ignore[misc]
+        self._reset()
 
     def _status(self) -> dict[str, Any]:
         return {
