@@ -19,6 +19,7 @@ from harness import incident
 from harness.incident import RunResult, StepResult
 from harness.lock import ServerLock
 from harness.venvs import build_wheel, set_plugin
+from vllm_mmcache_fix.core.messages import ACTIVE
 
 
 def _cell(step: StepResult | None) -> str:
@@ -41,7 +42,7 @@ def _engine(r: RunResult) -> str:
 
 
 def _active_processes(r: RunResult) -> str:
-    names = [p for p, lines in r.plugin_lines.items() if any("active in" in x for x in lines)]
+    names = [p for p, lines in r.plugin_lines.items() if any(ACTIVE in x for x in lines)]
     return ", ".join(sorted(names)) or "none"
 
 

@@ -45,6 +45,7 @@ from harness.paths import log_path as new_log_path
 from harness.payloads import SHORT_TEXT, choose_word_count, images_payload, words_text
 from harness.server import Server
 from harness.venvs import PLUGIN_DIST, set_plugin, venv_dir, venv_dist_version, venv_vllm_version
+from vllm_mmcache_fix.core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
 
 TWO_IMAGES = json.dumps({"image": 2, "video": 0})
 KINDS = ("long", "reuse", "new", "pair")
@@ -215,7 +216,7 @@ def run_mixed(
     run.plugin_lines = lines[-12:]
     run.drift_warnings = sum(1 for line in lines if "multimodal cache drift" in line)
     run.drift_guard_active = any(
-        "drift guard active" in line or "drift recovery active" in line for line in lines
+        DRIFT_GUARD_ACTIVE in line or DRIFT_RECOVERY_ACTIVE in line for line in lines
     )
     run.rollback_lines = sum(1 for line in lines if re.search(r"undid the multimodal", line))
     return run

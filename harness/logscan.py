@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PLUGIN_TAG = "vllm-mmcache-fix:"
+from vllm_mmcache_fix.core import messages
+
+PLUGIN_TAG = messages.PREFIX.rstrip()
 
 LOG_MARKERS = {
     "cached_item_assert": "Expected a cached item",
@@ -102,9 +104,9 @@ def plugin_counters(log_path: Path, keep_last: int = 8) -> PluginCounters:
             counters.lines += 1
             if " WARNING " in line:
                 counters.warning_lines += 1
-            if "vllm-mmcache-fix: active in " in line:
+            if f"{messages.PREFIX}{messages.ACTIVE} " in line:
                 counters.active_in.append(proc)
-            if "repaired a multimodal cache" in line:
+            if messages.REPAIRED in line:
                 counters.repair_lines += 1
             if "multimodal cache drift" in line:
                 counters.drift_lines += 1
