@@ -56,6 +56,48 @@ def scrape(base_url: str, timeout: float = 10.0) -> tuple[int | None, dict[str, 
     return status, parse_metrics(body), body
 
 
+class HealthPoller:
+    """Polls ``/health`` every ``interval`` s in a thread (bounded by ``max_s``); each poll is
+    ``(monotonic time it returned, status or None, seconds)``. Connection errors before
+    the server is up are recorded too (status None)."""
+
+    def __init__(
+        self, base_url: str, interval: float = 0.5, timeout: float = 30.0, max_s: float = 900.0
+    ) -> None:
+        self.url = base_url + "/health"
+        self.interval = interval
+        self.timeout = timeout
+        self.max_s = max_s
+        self.polls: list[tuple[float, int | None, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout + 5)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            status, _, took = http_get(self.url, self.timeout)
+            self.polls.append((time.monotonic(), status, took))
+            self._stop.wait(self.interval)
+
+    def answered(self) -> list[tuple[float, int | None, float]]:
+        """The polls from the first 200 on (the server was up)."""
+        for i, (_, status, _) in enumerate(self.polls):
+            if status == 200:
+                return self.polls[i:]
+        return []
+
+
 def summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
