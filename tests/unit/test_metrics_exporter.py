@@ -79,3 +79,60 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 1.0' in text
     assert "mmcache_fix_engine_round_trip_seconds_count 1.0" in text
     assert "mmcache_fix_" not in prom.generate_latest(prom.REGISTRY).decode()
+
+
+MULTIPROCESS = r"""
+import json, os, sys
+from vllm_mmcache_fix.api_server.metrics.exporter import Exporter
+counts = json.loads(sys.argv[1])
+engines = json.loads(sys.argv[2])
+exporter = Exporter(lambda: counts, lambda: engines, print)
+exporter.start()
+exporter.observe_round_trip(0.01)
+exporter.stop()
+"""
+
+READ = r"""
+import prometheus_client as prom
+from prometheus_client import multiprocess
+registry = prom.CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(prom.generate_latest(registry).decode())
+"""
+
+
+def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
+    """Two exporter processes with PROMETHEUS_MULTIPROC_DIR, read as vLLM reads them."""
+    pytest.importorskip("prometheus_client")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from harness.paths import REPO_ROOT
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    first = json.dumps([{"protected": 1, "ghost_keys_dropped": 4}])
+    for engines in (first, "null"):  # only the first API server exports EngineCore's counts
+        subprocess.run(
+            [sys.executable, "-c", MULTIPROCESS, json.dumps(LOCAL), engines],
+            env=env,
+            check=True,
+            timeout=60,
+        )
+    text = subprocess.run(
+        [sys.executable, "-c", READ],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert 'mmcache_fix_protected_processes{kind="api_server"} 2.0' in text, text
+    assert 'mmcache_fix_protected_processes{kind="engine_core"} 1.0' in text, text
+    assert "mmcache_fix_rollbacks_total 8.0" in text, text
+    assert (
+        'mmcache_fix_cache_repairs_total{process="engine_core",repair="ghost_key_dropped"} 4.0'
+        in text
+    ), text
+    assert "mmcache_fix_engine_round_trip_seconds_count 2.0" in text, text
