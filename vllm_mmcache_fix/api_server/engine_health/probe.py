@@ -168,7 +168,15 @@ class Liveness:
 
     def engine_counts(self) -> list[dict[str, Any]] | None:
         """EngineCore's counters for ``/metrics``, from the first API server only (else None)."""
-        for client, probes in list(self.clients.items()):
+        for _ in range(3):  # read from the metrics thread while the event loop may add a client
+            try:
+                clients = list(self.clients.items())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        for client, probes in clients:
             if getattr(client, CLIENT_INDEX, 0) != 0:
                 continue
             return [p.counts for p in probes if p.counts is not None]

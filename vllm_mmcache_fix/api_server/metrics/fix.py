@@ -66,6 +66,7 @@ class PluginMetrics(Fix):
     def observe_round_trip(self, seconds: float) -> None:
         with self._site:
             self.exporter.observe_round_trip(seconds)
+        self.exporter.sync()  # EngineCore's counters just arrived (guards itself)
 
     def round_trip_failed(self, engine: str) -> None:
         with self._site:
