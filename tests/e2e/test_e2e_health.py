@@ -22,6 +22,7 @@ import pytest
 from harness import incident, tiny_models
 from harness.health import HealthPoller, scrape
 from harness.http import free_port, http_get
+from harness.lock import ServerLock
 from harness.paths import log_path as new_log_path
 from harness.server import Server
 from harness.venvs import e2e_versions, set_plugin
@@ -50,8 +51,6 @@ def _freeze_case(version: str, vllm_venv, wheel: Path | None, env: dict[str, str
     if version not in VERSIONS:
         pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
     venv = vllm_venv(version)
-    if wheel is not None:
-        set_plugin(venv, wheel)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
 
@@ -68,10 +67,19 @@ def _freeze_case(version: str, vllm_venv, wheel: Path | None, env: dict[str, str
             "end": time.monotonic(),
         }
 
-    with HealthPoller(base, interval=0.5, timeout=TIMEOUT_S + MARGIN_S + 30) as poller:
-        result = incident.run_incident(
-            venv, env={ENV_HEALTH_TIMEOUT: str(TIMEOUT_S), **env}, inspect=inspect, port=port, **kw
-        )
+    # The venv changes only under the lock: another holder may be serving from it.
+    with ServerLock().hold(purpose="health e2e") as lock:
+        if wheel is not None:
+            set_plugin(venv, wheel)
+        with HealthPoller(base, interval=0.5, timeout=TIMEOUT_S + MARGIN_S + 30) as poller:
+            result = incident.run_incident(
+                venv,
+                env={ENV_HEALTH_TIMEOUT: str(TIMEOUT_S), **env},
+                inspect=inspect,
+                port=port,
+                lock=lock,
+                **kw,
+            )
     return result, poller
 
 
@@ -132,15 +140,16 @@ def test_health_stays_200_while_frozen_without_the_plugin(plugin_wheel: Path, vl
 
 def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list[str]) -> tuple:
     venv = vllm_venv(version)
-    set_plugin(venv, plugin_wheel)
     model = tiny_models.ensure_model(venv)
     tag = "x".join(extra_args[1:2]) or "1"
     log = new_log_path(f"metrics-{version}-api{tag}")
-    with Server(venv, model, log, extra_args=extra_args) as server:
-        server.wait_ready(240)
-        healths = [http_get(server.base_url + "/health", 30)[0] for _ in range(6)]
-        time.sleep(2.5)  # the metrics thread syncs every second
-        status, metrics, text = scrape(server.base_url)
+    with ServerLock().hold(purpose="metrics e2e") as lock:
+        set_plugin(venv, plugin_wheel)
+        with Server(venv, model, log, extra_args=extra_args, lock=lock) as server:
+            server.wait_ready(240)
+            healths = [http_get(server.base_url + "/health", 30)[0] for _ in range(6)]
+            time.sleep(2.5)  # the metrics thread syncs every second
+            status, metrics, text = scrape(server.base_url)
     return healths, status, metrics, text, log
 
 
