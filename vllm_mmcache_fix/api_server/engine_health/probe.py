@@ -137,7 +137,7 @@ class Liveness:
         if probe.failing:
             probe.failing = False
             log.warning(
-                "%s %s: %s answered after %.1f s (the round trip sent at %s)",
+                "%s in %s: %s answered after %.1f s (the round trip sent at %s)",
                 ENGINE_ANSWERS_AGAIN,
                 process_label(),
                 probe.name,
@@ -158,7 +158,7 @@ class Liveness:
         if not probe.failing:
             probe.failing = True
             log.warning(
-                "%s %s: %s; /health now fails. EngineCore may be stuck: run "
+                "%s in %s: %s; /health now fails. EngineCore may be stuck: run "
                 "'vllm-mmcache-fix diagnose --pid <API server pid>'",
                 ENGINE_NOT_ANSWERING,
                 process_label(),
