@@ -117,12 +117,14 @@ def run_incident(
     disable_plugin: bool = False,
     inspect: Callable[[int], object] | None = None,
     lock: ServerLock | None = None,
+    port: int | None = None,
 ) -> RunResult:
     """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading.
 
     ``inspect(server_pid)`` runs after the load, while the server still lives;
     its return value lands in ``RunResult.inspection``. ``lock``: the server lock, when
-    the caller holds it already (else the server takes it).
+    the caller holds it already (else the server takes it). ``port``: the server's port
+    (default: a free one), for a caller that watches the server while the replay runs.
     """
     venv = Path(venv)
     model = tiny_models.ensure_model(venv, out=model)
@@ -142,7 +144,7 @@ def run_incident(
         model=str(model),
         log_path=str(log_path),
     )
-    server = Server(venv, model, log_path, extra_args=extra_args, env=env, lock=lock)
+    server = Server(venv, model, log_path, port=port, extra_args=extra_args, env=env, lock=lock)
     result.port = server.port
     stop_offset: int | None = None
     try:

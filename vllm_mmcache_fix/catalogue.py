@@ -149,6 +149,63 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         removal="when vLLM re-sends drifted items itself",
         source_patches=False,
     ),
+    PatchSpec(
+        id="engine-liveness-answer",
+        fix="engine-liveness-answer",
+        runs_in="EngineCore",
+        targets=("vllm.v1.engine.core.EngineCore.mmcache_fix_ping",),
+        why=(
+            "A utility method EngineCore serves like vLLM's own (read by its input thread, run "
+            "by its busy loop between steps): it answers the API server's /health round trip "
+            "at once, with this process's plugin counters. An EngineCore that is stuck does "
+            "not answer, which is what /health then reports."
+        ),
+        upstream=(
+            "vllm-project/vllm#36451 (ping EngineCore through its input thread, open)",
+            "vllm-project/vllm-ascend#14240 (the same for Ascend, open)",
+        ),
+        affected="every release: /health stays 200 while EngineCore spins (up to 0.33.0)",
+        detection="the class vllm_layout.ENGINE_CORE_CLASS, in a process named EngineCore*",
+        removal="when vLLM's /health asks EngineCore itself",
+        source_patches=False,
+    ),
+    PatchSpec(
+        id="engine-liveness-health",
+        fix="engine-liveness-health",
+        runs_in="API server",
+        targets=("vllm.v1.engine.async_llm.AsyncLLM.check_health",),
+        why=(
+            "AsyncLLM.check_health, which /health awaits, raises only once EngineCore has died; "
+            "after vLLM's own check the wrapper also waits (asynchronously, one message per "
+            "engine at most in flight) for every EngineCore to answer mmcache_fix_ping and "
+            "raises an EngineDeadError subclass (503) when one has not answered within "
+            "MMCACHE_FIX_HEALTH_TIMEOUT seconds."
+        ),
+        upstream=("vllm-project/vllm#36451 (open)", "vllm-project/vllm#43941 (the freeze)"),
+        affected="every release with AsyncLLM",
+        detection="feature detection (vllm_layout.HEALTH_TARGET, CLIENT_CALL_UTILITY)",
+        removal="when vLLM's /health asks EngineCore itself",
+        source_patches=False,
+    ),
+    PatchSpec(
+        id="plugin-metrics",
+        fix="plugin-metrics",
+        runs_in="API server",
+        targets=(
+            "prometheus_client default registry / PROMETHEUS_MULTIPROC_DIR "
+            "(served by vllm.entrypoints.serve.instrumentator.metrics)",
+        ),
+        why=(
+            "The plugin's counters (repairs, drift, rollbacks, recoveries, internal errors, "
+            "stalls, the health round trip) as mmcache_fix_* metrics on vLLM's own /metrics; "
+            "nothing of vLLM is patched."
+        ),
+        upstream=("vllm-project/vllm#57118 (drift counter, closed unmerged)",),
+        affected="every release that serves /metrics with prometheus_client",
+        detection="the import of vllm_layout.METRICS_ROUTE_MODULES, or the first /health",
+        removal="never needed by vLLM; remove with the fixes whose counters it exports",
+        source_patches=False,
+    ),
 )
 
 

@@ -15,16 +15,30 @@ from __future__ import annotations
 from typing import Any
 
 from .api_server.drift_guard.fix import DriftGuard
-from .core import imports, log, registry
+from .api_server.drift_guard.stats import STATS as DRIFT_STATS
+from .api_server.engine_health.fix import EngineHealth
+from .api_server.metrics.fix import PluginMetrics
+from .core import counters, imports, log, registry
 from .core.lifecycle import STATUS_SCHEMA, Fix
 from .core.process import process_label, vllm_version
 from .core.settings import Mode, read_mode
+from .engine_core.liveness.fix import EngineLivenessAnswer
+from .every_process.lru_eviction import cache as lru_cache
 from .every_process.lru_eviction.fix import LruEvictionFix
 
 LRU_EVICTION = LruEvictionFix()
 DRIFT_GUARD = DriftGuard()
+ENGINE_ANSWER = EngineLivenessAnswer(lambda: counts())
+ENGINE_HEALTH = EngineHealth()
+METRICS = PluginMetrics(
+    lambda: counts(),
+    lambda: ENGINE_HEALTH.liveness.engine_counts() if ENGINE_HEALTH.liveness else None,
+)
+ENGINE_HEALTH.on_start = METRICS.start
+ENGINE_HEALTH.on_round_trip = METRICS.observe_round_trip
+ENGINE_HEALTH.on_failure = METRICS.round_trip_failed
 
-FIXES: tuple[Fix, ...] = (LRU_EVICTION, DRIFT_GUARD)
+FIXES: tuple[Fix, ...] = (LRU_EVICTION, DRIFT_GUARD, ENGINE_ANSWER, ENGINE_HEALTH, METRICS)
 """Installed in this order; ``MMCACHE_FIX_MODE`` other than ``on`` keeps the drift guard out."""
 
 
@@ -44,6 +58,9 @@ def instrument() -> dict[str, Any]:
     LRU_EVICTION.install()
     if read_mode().value is Mode.ON:
         DRIFT_GUARD.install()
+    ENGINE_ANSWER.install()
+    ENGINE_HEALTH.install()
+    METRICS.install()
     return status()
 
 
@@ -53,6 +70,25 @@ def uninstrument() -> None:
         fix.uninstall()
     imports.cancel_all()
     registry.revert_all()
+    counters.reset()
+
+
+def counts() -> dict[str, int]:
+    """This process's counters as plain numbers: what ``/metrics`` exports (and what
+    EngineCore sends back with the liveness round trip)."""
+    repairs = lru_cache.STATS.as_dict()
+    drift = DRIFT_STATS.as_dict()
+    return {
+        "protected": int(LRU_EVICTION.installed),
+        "ghost_keys_dropped": repairs["ghost_keys_dropped"],
+        "orphans_restored": repairs["orphans_restored"],
+        "drift_events": drift["drift_events"],
+        "rollbacks": drift["rollbacks"],
+        "recoveries": drift["recoveries"],
+        "recovery_failures": drift["recovery_failures"],
+        "internal_errors": sum(fix.errors.total for fix in FIXES),
+        "stalls": counters.stalls(),
+    }
 
 
 def status() -> dict[str, Any]:

@@ -138,3 +138,37 @@ DRIFT_WATCHED_MODULES: tuple[str, ...] = tuple(
 ENGINE_CORE_PROCESS = "EngineCore"
 """vLLM names EngineCore's process ``EngineCore_DP<N>`` (``/proc/<pid>/comm`` is cut
 to ``EngineCor``)."""
+
+# --------------------------------------------------------------------------- engine liveness
+
+ENGINE_CORE_CLASS = ClassLayout("vllm.v1.engine.core", "EngineCore", "0.10.0+")
+"""EngineCore runs utility calls (``EngineCoreRequestType.UTILITY``) by name on this class:
+``_handle_client_request`` does ``getattr(self, method_name)(*args)`` in its busy loop,
+after the input thread has read the message (0.23.0, 0.27.1, 0.32.0)."""
+
+ENGINE_PING_METHOD = "mmcache_fix_ping"
+"""The utility method the plugin adds to EngineCore in EngineCore's process."""
+
+HEALTH_TARGET = ClassLayout("vllm.v1.engine.async_llm", "AsyncLLM", "0.10.0+")
+"""``/health`` (``vllm/entrypoints/serve/instrumentator/health.py`` in 0.23.0-0.32.0) awaits
+``engine_client.check_health()``, which is ``AsyncLLM.check_health``: it raises only once
+EngineCore is dead (``errored``), and the handler answers 503 for ``EngineDeadError``."""
+
+HEALTH_METHOD = "check_health"
+
+ENGINE_DEAD_ERROR = ("vllm.v1.engine.exceptions", "EngineDeadError")
+"""The exception ``/health`` turns into 503 (any other one becomes a 500)."""
+
+ENGINE_CLIENT_ATTR = "engine_core"
+"""``AsyncLLM.engine_core``: the client (``AsyncMPClient`` and its DP subclasses)."""
+CLIENT_CALL_UTILITY = "_call_utility_async"
+"""``AsyncMPClient._call_utility_async(method, *args, engine=identity)``: one engine's utility
+call (the public ``call_utility_async`` of the DP-LB client goes to every engine)."""
+CLIENT_ENGINES = "core_engines"
+"""``MPClient.core_engines``: the engine identities, DP rank order."""
+CLIENT_INDEX = "client_index"
+"""``AsyncMPClient.client_index``: which API server this is (0 with one API server)."""
+
+METRICS_ROUTE_MODULES: tuple[str, ...] = ("vllm.entrypoints.serve.instrumentator.metrics",)
+"""Imported when the API server attaches ``/metrics`` (0.23.0, 0.27.1, 0.32.0): the plugin's
+metrics start there, in serving processes only (and at the first ``/health`` otherwise)."""

@@ -7,12 +7,15 @@ import json
 from harness.paths import REPO_ROOT as REPO
 from vllm_mmcache_fix import catalogue, plugin, vllm_layout
 from vllm_mmcache_fix.api_server.drift_guard import fix as drift_fix
+from vllm_mmcache_fix.api_server.engine_health import fix as health_fix
+from vllm_mmcache_fix.engine_core.liveness import fix as liveness_fix
 from vllm_mmcache_fix.every_process.lru_eviction import factory
 
 
 def test_every_patch_the_code_can_apply_is_catalogued() -> None:
     ids = {spec.id for spec in catalogue.CATALOGUE}
     code_ids = {factory.PATCH_FIX} | {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
+    code_ids |= {liveness_fix.PATCH_ID, health_fix.PATCH_ID, plugin.METRICS.id}
     assert ids == code_ids
 
 

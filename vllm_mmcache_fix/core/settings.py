@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 ENV_MODE = "MMCACHE_FIX_MODE"
 ENV_DRIFT = "MMCACHE_FIX_DRIFT"
 ENV_FAIL_AT = "MMCACHE_FIX_FAIL_AT"
+ENV_HEALTH_TIMEOUT = "MMCACHE_FIX_HEALTH_TIMEOUT"
 
 
 class Mode(str, enum.Enum):
@@ -81,3 +82,41 @@ def read_fail_at(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     env = os.environ if environ is None else environ
     raw = env.get(ENV_FAIL_AT) or ""
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+DEFAULT_HEALTH_TIMEOUT = 10.0
+"""Seconds EngineCore has to answer the ``/health`` round trip (README: how it was chosen)."""
+
+
+@dataclass(frozen=True)
+class FloatSetting:
+    value: float
+    problem: str | None = None
+    """A sentence explaining why the environment value was not used."""
+
+
+def read_float(
+    name: str,
+    default: float,
+    environ: Mapping[str, str] | None = None,
+    minimum: float = 0.0,
+) -> FloatSetting:
+    """A number of seconds (or similar); empty means ``default``, below ``minimum`` is bad."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return FloatSetting(default)
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")) or value < minimum:
+        return FloatSetting(
+            default, f"{name}={raw!r} is not a number >= {minimum:g}; using {default:g}"
+        )
+    return FloatSetting(value)
+
+
+def read_health_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """``MMCACHE_FIX_HEALTH_TIMEOUT``: seconds; ``0`` switches the engine round trip off."""
+    return read_float(ENV_HEALTH_TIMEOUT, DEFAULT_HEALTH_TIMEOUT, environ)

@@ -1,0 +1,138 @@
+"""From the plugin's cumulative counters to metric updates, and the metrics themselves."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_mmcache_fix.api_server.metrics import names as n
+from vllm_mmcache_fix.api_server.metrics.exporter import Deltas, Exporter, plan
+
+LOCAL = {
+    "protected": 1,
+    "ghost_keys_dropped": 3,
+    "orphans_restored": 1,
+    "drift_events": 2,
+    "rollbacks": 4,
+    "recoveries": 2,
+    "recovery_failures": 0,
+    "internal_errors": 0,
+    "stalls": 0,
+}
+
+
+def as_map(updates: list) -> dict:
+    return {(m, labels, op): v for m, labels, op, v in updates}
+
+
+def test_names_never_carry_vllm() -> None:
+    assert len({s.name for s in n.METRICS}) == len(n.METRICS)
+    for spec in n.METRICS:
+        assert spec.name.startswith(n.PREFIX) and "vllm" not in spec.name
+        assert spec.help
+
+
+def test_counters_move_by_their_increase_only() -> None:
+    deltas = Deltas()
+    first = as_map(plan(deltas, LOCAL, None))
+    api = (("process", "api_server"),)
+    assert first[(n.CACHE_REPAIRS, api + (("repair", n.REPAIR_GHOST),), "inc")] == 3
+    assert first[(n.ROLLBACKS, (), "inc")] == 4
+    assert first[(n.PROTECTED_PROCESSES, (("kind", "api_server"),), "set")] == 1
+    assert not any(labels == (("kind", "engine_core"),) for _, labels, _ in first)
+    again = as_map(plan(deltas, {**LOCAL, "rollbacks": 6}, None))
+    assert again[(n.ROLLBACKS, (), "inc")] == 2
+    assert again[(n.CACHE_REPAIRS, api + (("repair", n.REPAIR_GHOST),), "inc")] == 0
+
+
+def test_engine_counts_are_summed_and_a_restart_is_not_negative() -> None:
+    deltas = Deltas()
+    engines = [{"protected": 1, "ghost_keys_dropped": 5}, {"protected": 0, "stalls": 1}]
+    got = as_map(plan(deltas, LOCAL, engines))
+    core = (("process", "engine_core"),)
+    assert got[(n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")] == 5
+    assert got[(n.STALLS, core, "inc")] == 1
+    assert got[(n.PROTECTED_PROCESSES, (("kind", "engine_core"),), "set")] == 1
+    restarted = as_map(plan(deltas, LOCAL, [{"ghost_keys_dropped": 2}]))
+    assert restarted[(n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")] == 2
+
+
+def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
+    prom = pytest.importorskip("prometheus_client")
+    engines = [{"protected": 1, "ghost_keys_dropped": 7}]
+    errors: list[BaseException] = []
+    exporter = Exporter(lambda: LOCAL, lambda: engines, errors.append)
+    try:
+        exporter.start()
+        exporter.observe_round_trip(0.004)
+        exporter.round_trip_failed("EngineCore")
+        text = prom.generate_latest(prom.REGISTRY).decode()
+    finally:
+        exporter.unregister()
+    assert not errors
+    for spec in n.METRICS:
+        assert f"# TYPE {spec.name.removesuffix('_total')}" in text, spec.name
+    assert (
+        'mmcache_fix_cache_repairs_total{process="engine_core",repair="ghost_key_dropped"} 7.0'
+        in text
+    )
+    assert 'mmcache_fix_protected_processes{kind="api_server"} 1.0' in text
+    assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 1.0' in text
+    assert "mmcache_fix_engine_round_trip_seconds_count 1.0" in text
+    assert "mmcache_fix_" not in prom.generate_latest(prom.REGISTRY).decode()
+
+
+MULTIPROCESS = r"""
+import json, os, sys
+from vllm_mmcache_fix.api_server.metrics.exporter import Exporter
+counts = json.loads(sys.argv[1])
+engines = json.loads(sys.argv[2])
+exporter = Exporter(lambda: counts, lambda: engines, print)
+exporter.start()
+exporter.observe_round_trip(0.01)
+exporter.stop()
+"""
+
+READ = r"""
+import prometheus_client as prom
+from prometheus_client import multiprocess
+registry = prom.CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(prom.generate_latest(registry).decode())
+"""
+
+
+def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
+    """Two exporter processes with PROMETHEUS_MULTIPROC_DIR, read as vLLM reads them."""
+    pytest.importorskip("prometheus_client")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from harness.paths import REPO_ROOT
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    first = json.dumps([{"protected": 1, "ghost_keys_dropped": 4}])
+    for engines in (first, "null"):  # only the first API server exports EngineCore's counts
+        subprocess.run(
+            [sys.executable, "-c", MULTIPROCESS, json.dumps(LOCAL), engines],
+            env=env,
+            check=True,
+            timeout=60,
+        )
+    text = subprocess.run(
+        [sys.executable, "-c", READ],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert 'mmcache_fix_protected_processes{kind="api_server"} 2.0' in text, text
+    assert 'mmcache_fix_protected_processes{kind="engine_core"} 1.0' in text, text
+    assert "mmcache_fix_rollbacks_total 8.0" in text, text
+    assert (
+        'mmcache_fix_cache_repairs_total{process="engine_core",repair="ghost_key_dropped"} 4.0'
+        in text
+    ), text
+    assert "mmcache_fix_engine_round_trip_seconds_count 2.0" in text, text

@@ -1,0 +1,210 @@
+"""Counters of this API server and of EngineCore as prometheus_client metrics.
+
+The plugin's counters are plain cumulative numbers in each process. A small daemon
+thread (and each ``/health`` round trip) turns them into metric updates: the increase
+since the last sync for counters, the value for gauges. :func:`plan` is that pure step;
+:class:`Exporter` applies it to ``prometheus_client`` objects, created lazily.
+
+EngineCore's counters reach every API server with the round trip. With several API
+servers they would be counted once per API server, so only the first one
+(``client_index`` 0) exports them; each API server exports its own counters, and the
+multiprocess collector adds them up.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import names as n
+
+SYNC_INTERVAL_S = 1.0
+
+Labels = tuple[tuple[str, str], ...]
+Update = tuple[str, Labels, str, float]
+"""(metric name, labels, ``"inc"`` or ``"set"``, amount)."""
+
+_COUNTS_OF_PROCESS: tuple[tuple[str, str, Labels], ...] = (
+    ("ghost_keys_dropped", n.CACHE_REPAIRS, (("repair", n.REPAIR_GHOST),)),
+    ("orphans_restored", n.CACHE_REPAIRS, (("repair", n.REPAIR_ORPHAN),)),
+    ("internal_errors", n.INTERNAL_ERRORS, ()),
+    ("stalls", n.STALLS, ()),
+)
+"""(count key, metric, labels besides ``process``) for counts every process has."""
+
+_COUNTS_OF_API_SERVER: tuple[tuple[str, str], ...] = (
+    ("drift_events", n.DRIFT_EVENTS),
+    ("rollbacks", n.ROLLBACKS),
+    ("recoveries", n.RECOVERIES),
+    ("recovery_failures", n.RECOVERY_FAILURES),
+)
+
+
+@dataclass
+class Deltas:
+    """The cumulative values already exported, per (metric, labels)."""
+
+    seen: dict[tuple[str, Labels], float] = field(default_factory=dict)
+
+    def increase(self, metric: str, labels: Labels, value: float) -> float:
+        key = (metric, labels)
+        before = self.seen.get(key, 0.0)
+        self.seen[key] = value
+        if value >= before:
+            return value - before
+        return value  # the source restarted (a new EngineCore, or the plugin re-installed)
+
+
+def _num(counts: Mapping[str, Any], key: str) -> float:
+    value = counts.get(key, 0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def plan(
+    deltas: Deltas,
+    local: Mapping[str, Any],
+    engines: Iterable[Mapping[str, Any]] | None,
+) -> list[Update]:
+    """The updates that bring the metrics to ``local`` (this API server's counts) and
+    ``engines`` (EngineCore's counts, one mapping per engine; None when this API server does
+    not export them)."""
+    updates: list[Update] = []
+
+    def counter(metric: str, labels: Labels, value: float) -> None:
+        # An increase of 0 still creates the series, so /metrics shows it at 0.
+        updates.append((metric, labels, "inc", deltas.increase(metric, labels, value)))
+
+    process = (("process", n.KIND_API_SERVER),)
+    for key, metric, extra in _COUNTS_OF_PROCESS:
+        counter(metric, process + extra, _num(local, key))
+    for key, metric in _COUNTS_OF_API_SERVER:
+        counter(metric, (), _num(local, key))
+    updates.append(
+        (n.PROTECTED_PROCESSES, (("kind", n.KIND_API_SERVER),), "set", _num(local, "protected"))
+    )
+    if engines is not None:
+        engines = list(engines)
+        process = (("process", n.KIND_ENGINE_CORE),)
+        for key, metric, extra in _COUNTS_OF_PROCESS:
+            counter(metric, process + extra, sum(_num(e, key) for e in engines))
+        protected = sum(_num(e, "protected") for e in engines)
+        updates.append((n.PROTECTED_PROCESSES, (("kind", n.KIND_ENGINE_CORE),), "set", protected))
+    return updates
+
+
+class Exporter:
+    """The prometheus_client side; everything here runs in a serving API server only."""
+
+    def __init__(
+        self,
+        local: Callable[[], Mapping[str, Any]],
+        engines: Callable[[], list[Mapping[str, Any]] | None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.local = local
+        self.engines = engines
+        self.on_error = on_error
+        self.deltas = Deltas()
+        self.metrics: dict[str, Any] = {}
+        self.started = False
+        self.multiprocess = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- set-up --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the metrics and the sync thread; idempotent."""
+        with self._lock:
+            if self.started:
+                return
+            self._create()
+            self.started = True
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="mmcache-fix-metrics", daemon=True
+            )
+            self._thread.start()
+        self.sync()
+
+    def _create(self) -> None:
+        import os
+
+        import prometheus_client as prom
+
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        made: dict[str, Any] = {}
+        for spec in n.METRICS:
+            if spec.kind == "counter":
+                made[spec.name] = prom.Counter(spec.name, spec.help, list(spec.labels))
+            elif spec.kind == "gauge":
+                made[spec.name] = prom.Gauge(
+                    spec.name, spec.help, list(spec.labels), multiprocess_mode="livesum"
+                )
+            else:
+                made[spec.name] = prom.Histogram(
+                    spec.name, spec.help, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
+                )
+        self.metrics = made
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+    def unregister(self) -> None:
+        """Take the metrics out of prometheus_client's default registry (tests, uninstall)."""
+        self.stop()
+        with self._lock:
+            if not self.metrics:
+                self.started = False
+                return
+            try:
+                import prometheus_client as prom
+
+                for metric in self.metrics.values():
+                    try:
+                        prom.REGISTRY.unregister(metric)
+                    except KeyError:
+                        pass
+            finally:
+                self.metrics = {}
+                self.deltas = Deltas()
+                self.started = False
+
+    # -- updates -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(SYNC_INTERVAL_S):
+            self.sync()
+
+    def sync(self) -> None:
+        try:
+            with self._lock:
+                if not self.started:
+                    return
+                for metric, labels, op, amount in plan(self.deltas, self.local(), self.engines()):
+                    child = self._child(metric, labels)
+                    if op == "inc":
+                        child.inc(amount)
+                    else:
+                        child.set(amount)
+        except Exception as exc:
+            self._stop.set()
+            self.on_error(exc)
+
+    def _child(self, metric: str, labels: Labels) -> Any:
+        obj = self.metrics[metric]
+        return obj.labels(**dict(labels)) if labels else obj
+
+    def observe_round_trip(self, seconds: float) -> None:
+        if self.started:
+            self.metrics[n.ROUND_TRIP_SECONDS].observe(seconds)
+
+    def round_trip_failed(self, engine: str) -> None:
+        if self.started:
+            self.metrics[n.ROUND_TRIPS_FAILED].labels(engine=engine).inc()

@@ -1,0 +1,80 @@
+"""Lifecycle of the metrics: start the exporter once this API server attaches ``/metrics``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...core import imports
+from ...core.lifecycle import DidNotEnable, Fix
+from ...core.settings import Mode, read_mode
+from ...vllm_layout import METRICS_ROUTE_MODULES
+from .exporter import Exporter
+
+
+class PluginMetrics(Fix):
+    id = "plugin-metrics"
+    runs_in = "API server"
+
+    def __init__(
+        self,
+        local: Callable[[], Mapping[str, Any]],
+        engines: Callable[[], list[Mapping[str, Any]] | None],
+    ) -> None:
+        super().__init__()
+        self.exporter = Exporter(local, engines, self._sync_failed)
+        self._subscription: Any = None
+        self._site = self.errors.site("metrics.start")
+        self.switched_off: str | None = None
+
+    def _install(self) -> None:
+        if read_mode().value is Mode.OFF:
+            raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
+        if any(m in sys.modules for m in METRICS_ROUTE_MODULES):
+            self.start()
+        else:
+            self._subscription = imports.when_imported(METRICS_ROUTE_MODULES, self._on_import)
+
+    def _uninstall(self) -> None:
+        imports.cancel(self._subscription)
+        self._subscription = None
+        self.exporter.unregister()
+        self.switched_off = None
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            "started": self.exporter.started,
+            "multiprocess": self.exporter.multiprocess,
+            "switched_off": self.switched_off,
+        }
+
+    def _on_import(self, name: str) -> None:
+        imports.cancel(self._subscription)
+        self._subscription = None
+        self.start()
+
+    def start(self) -> None:
+        """Create the metrics in this (serving) process; idempotent, never raises."""
+        if not self.enabled and not self.attempted:
+            return
+        if self.exporter.started or self.switched_off is not None:
+            return
+        with self._site:
+            self.exporter.start()
+
+    def observe_round_trip(self, seconds: float) -> None:
+        with self._site:
+            self.exporter.observe_round_trip(seconds)
+        self.exporter.sync()  # EngineCore's counters just arrived (guards itself)
+
+    def round_trip_failed(self, engine: str) -> None:
+        with self._site:
+            self.exporter.round_trip_failed(engine)
+
+    def _sync_failed(self, exc: BaseException) -> None:
+        self.errors.record("metrics.sync", exc)
+
+    def _on_internal_error(self, where: str, exc: BaseException) -> None:
+        self.switched_off = f"internal error at {where}: {exc!r}"
+        self.exporter.stop()

@@ -1,0 +1,114 @@
+"""Every metric the plugin exports, in one place (README: "Metrics").
+
+No name contains ``vllm``: vLLM's stat logger unregisters collectors whose name starts
+with ``vllm:`` (0.23.0: whose name contains ``vllm`` anywhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "mmcache_fix_"
+
+PROTECTED_PROCESSES = "mmcache_fix_protected_processes"
+CACHE_REPAIRS = "mmcache_fix_cache_repairs_total"
+DRIFT_EVENTS = "mmcache_fix_drift_events_total"
+ROLLBACKS = "mmcache_fix_rollbacks_total"
+RECOVERIES = "mmcache_fix_recoveries_total"
+RECOVERY_FAILURES = "mmcache_fix_recovery_failures_total"
+INTERNAL_ERRORS = "mmcache_fix_internal_errors_total"
+STALLS = "mmcache_fix_stalls_total"
+ROUND_TRIP_SECONDS = "mmcache_fix_engine_round_trip_seconds"
+ROUND_TRIPS_FAILED = "mmcache_fix_engine_round_trips_failed_total"
+
+# Label values.
+KIND_API_SERVER = "api_server"
+KIND_ENGINE_CORE = "engine_core"
+REPAIR_GHOST = "ghost_key_dropped"
+REPAIR_ORPHAN = "orphan_restored"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str
+    """``counter``, ``gauge`` or ``histogram``."""
+    labels: tuple[str, ...]
+    help: str
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        PROTECTED_PROCESSES,
+        "gauge",
+        ("kind",),
+        "Processes whose multimodal LRU caches have the plugin's eviction fix, per kind "
+        "(api_server, engine_core).",
+    ),
+    MetricSpec(
+        CACHE_REPAIRS,
+        "counter",
+        ("process", "repair"),
+        "Multimodal cache repairs: order-only (ghost) keys dropped, data-only (orphan) keys "
+        "restored to the LRU order.",
+    ),
+    MetricSpec(
+        DRIFT_EVENTS,
+        "counter",
+        (),
+        "Requests EngineCore could not serve because the API server's sender cache had "
+        "drifted from EngineCore's cache.",
+    ),
+    MetricSpec(
+        ROLLBACKS,
+        "counter",
+        (),
+        "Requests rejected after processing whose sender-cache changes were undone.",
+    ),
+    MetricSpec(RECOVERIES, "counter", (), "Drifted requests re-sent with their data and served."),
+    MetricSpec(RECOVERY_FAILURES, "counter", (), "Drifted requests whose re-send failed as well."),
+    MetricSpec(
+        INTERNAL_ERRORS,
+        "counter",
+        ("process",),
+        "Errors in the plugin's own code (the part concerned was switched off, vLLM went on).",
+    ),
+    MetricSpec(
+        STALLS,
+        "counter",
+        ("process",),
+        "Stalls seen by the stall sentinel: a thread stuck in one code location burning CPU.",
+    ),
+    MetricSpec(
+        ROUND_TRIP_SECONDS,
+        "histogram",
+        (),
+        "Seconds of the /health round trip to EngineCore (a utility call its busy loop serves).",
+    ),
+    MetricSpec(
+        ROUND_TRIPS_FAILED,
+        "counter",
+        ("engine",),
+        "/health checks that failed because an EngineCore did not answer in "
+        "MMCACHE_FIX_HEALTH_TIMEOUT seconds.",
+    ),
+)
+
+ROUND_TRIP_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)

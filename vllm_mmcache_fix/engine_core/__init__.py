@@ -1,0 +1,1 @@
+"""Fixes that act in EngineCore's process only."""
