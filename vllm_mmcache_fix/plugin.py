@@ -20,11 +20,13 @@ from .core.lifecycle import STATUS_SCHEMA, Fix
 from .core.process import process_label, vllm_version
 from .core.settings import Mode, read_mode
 from .every_process.lru_eviction.fix import LruEvictionFix
+from .every_process.stall_sentinel.fix import StallSentinelFix
 
 LRU_EVICTION = LruEvictionFix()
 DRIFT_GUARD = DriftGuard()
+STALL_SENTINEL = StallSentinelFix()
 
-FIXES: tuple[Fix, ...] = (LRU_EVICTION, DRIFT_GUARD)
+FIXES: tuple[Fix, ...] = (LRU_EVICTION, DRIFT_GUARD, STALL_SENTINEL)
 """Installed in this order; ``MMCACHE_FIX_MODE`` other than ``on`` keeps the drift guard out."""
 
 
@@ -44,6 +46,7 @@ def instrument() -> dict[str, Any]:
     LRU_EVICTION.install()
     if read_mode().value is Mode.ON:
         DRIFT_GUARD.install()
+    STALL_SENTINEL.install()
     return status()
 
 
@@ -76,6 +79,7 @@ def status() -> dict[str, Any]:
         "repairs": lru["repairs"],
         "problems": lru["problems"],
         "drift": DRIFT_GUARD.status(),
+        "stall_sentinel": STALL_SENTINEL.status(),
         "fixes": {fix.id: fix.status() for fix in FIXES},
         "internal_errors": sum(fix.errors.total for fix in FIXES),
         "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],

@@ -20,3 +20,7 @@ DRIFT_EVENT = "P0/P1 multimodal cache drift"
 ROLLBACK = "undid the multimodal cache changes"
 INTERNAL_ERROR = "internal error"
 """The plugin's own code raised; what it guarded was switched off, vLLM went on."""
+STALL = "thread stalled in"
+"""The stall sentinel saw a thread stay in one place burning CPU:
+``thread stalled in <process> pid=N: thread 'NAME' (tid N) ...`` then its stack."""
+STALL_SENTINEL_ACTIVE = "stall sentinel active in"

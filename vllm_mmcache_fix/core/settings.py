@@ -81,3 +81,32 @@ def read_fail_at(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     env = os.environ if environ is None else environ
     raw = env.get(ENV_FAIL_AT) or ""
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
+DEFAULT_STALL_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Seconds:
+    value: float
+    problem: str | None = None
+
+
+def read_stall_seconds(environ: Mapping[str, str] | None = None) -> Seconds:
+    """How long a thread may stay in one place burning CPU before it is reported; 0: off."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_STALL_SECONDS)
+    if raw is None or raw.strip() == "":
+        return Seconds(DEFAULT_STALL_SECONDS)
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if value != value or value < 0 or value == float("inf"):
+        return Seconds(
+            DEFAULT_STALL_SECONDS,
+            f"{ENV_STALL_SECONDS}={raw!r} is not a number of seconds >= 0; "
+            f"using {DEFAULT_STALL_SECONDS:g}",
+        )
+    return Seconds(value)
