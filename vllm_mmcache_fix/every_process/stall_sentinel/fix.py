@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -16,6 +17,8 @@ from .detect import Detector, Stall
 
 INTERVAL_S = 1.0
 THREAD_NAME = "mmcache-fix-stall-sentinel"
+NATIVE_THREAD_NAME = "mmcache-stall"
+"""What ``top -H`` and ``/proc/<pid>/task/<tid>/comm`` show for the sentinel's thread."""
 ENGINE_CORE = "EngineCore"
 API_SERVER = "API server"
 
@@ -39,6 +42,16 @@ def process_kind(name: str | None = None, title: str | None = None) -> str | Non
     if name.startswith("ApiServer") or name == "MainProcess":
         return API_SERVER
     return None
+
+
+def _name_native_thread(name: str) -> None:
+    """Linux ``prctl(PR_SET_NAME)`` for the calling thread; nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def format_stall(stall: Stall, where: str) -> str:
@@ -186,6 +199,10 @@ class StallSentinelFix(Fix):
                 self.stopped_reason = "not EngineCore or the API server"
                 return
         assert self.threshold_s is not None
+        try:
+            _name_native_thread(NATIVE_THREAD_NAME)
+        except Exception:
+            pass  # a name for operators only
         detector = Detector(self.threshold_s, self._on_stall)
         detector.ignore_idents.add(threading.get_ident())
         announced = False
