@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness.paths import REPO_ROOT, cache_root
+from harness.readme import guide_blocks
 from harness.venvs import python
 
 ASCEND_VERSION = "0.23.0"
@@ -103,6 +104,13 @@ def test_check_lists_the_real_vllm_ascend_entry_points(ascend_wheel: Path, tmp_p
     assert sorted(r["name"] for r in dropped) == GENERAL
     assert all(r["group"] == "vllm.general_plugins" for r in dropped)
     assert any(FULL_RULE in p for p in report["problems"]), report["problems"]
+
+    # The README's rule and Dockerfile name exactly the wheel's entry points.
+    real_rule = ",".join(sorted([*report["ascend_entry_points"], "mmcache_fix"]))
+    assert real_rule == FULL_RULE
+    blocks = guide_blocks()
+    assert f"VLLM_PLUGINS={real_rule} " in blocks["plugins-filter"][1]
+    assert f"ENV VLLM_PLUGINS={real_rule}\n" in blocks["dockerfile"][1]
 
     rc, report = _check(py, FULL_RULE)
     assert not [r for r in report["filtered_out"] if r["vllm_ascend"]]
