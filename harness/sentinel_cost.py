@@ -71,10 +71,37 @@ def measure_idle(server_pid: int, seconds: float) -> dict[str, dict[str, float |
     return result
 
 
+def sample_cost(threads: int = 16, samples: int = 300) -> dict[str, float]:
+    """CPU time of one sentinel sample in this process with ``threads`` idle Python threads."""
+    import threading
+
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+
+    stop = threading.Event()
+    idle = [threading.Thread(target=stop.wait, daemon=True) for _ in range(threads)]
+    for thread in idle:
+        thread.start()
+    detector = Detector(10.0, lambda stall: None)
+    spent: list[float] = []
+    for _ in range(samples):
+        started = time.thread_time()
+        detector.sample()
+        spent.append(time.thread_time() - started)
+    stop.set()
+    spent.sort()
+    return {
+        "python_threads": threads + 1,
+        "samples": samples,
+        "median_ms": round(1e3 * spent[len(spent) // 2], 3),
+        "p99_ms": round(1e3 * spent[int(len(spent) * 0.99)], 3),
+    }
+
+
 def run(version: str, seconds: float) -> dict[str, object]:
     venv = complete_venv(version)
     model = tiny_models.ensure_model(venv)
     out: dict[str, object] = {"vllm_version": version, "idle_seconds": seconds}
+    out["per-sample cost, 17 Python threads"] = sample_cost(16)
     lock = ServerLock()
     lock.acquire(purpose="sentinel cost")
     try:
@@ -109,8 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", default="0.23.0")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--sample-only", action="store_true", help="only the per-sample cost, no server"
+    )
     args = parser.parse_args(argv)
-    result = run(args.version, args.seconds)
+    result = (
+        {"per-sample cost": [sample_cost(n) for n in (4, 16, 64)]}
+        if args.sample_only
+        else run(args.version, args.seconds)
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

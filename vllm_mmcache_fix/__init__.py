@@ -23,9 +23,23 @@ __all__ = ["__version__", "instrument", "register", "status", "uninstrument"]
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (see :mod:`vllm_mmcache_fix.plugin`)."""
-    from .plugin import register as _register
+    """The ``vllm.general_plugins`` entry point (see :mod:`vllm_mmcache_fix.plugin`).
 
+    vLLM calls it without a ``try``: not even a broken install may raise from here."""
+    try:
+        from .plugin import register as _register
+    except Exception as exc:
+        try:
+            import logging
+
+            logging.getLogger("vllm.mmcache_fix").warning(
+                "vllm-mmcache-fix: internal error, vLLM left as it is: cannot import the "
+                "plugin: %r",
+                exc,
+            )
+        except Exception:
+            pass
+        return
     _register()
 
 
