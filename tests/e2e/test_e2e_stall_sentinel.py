@@ -27,7 +27,9 @@ pytestmark = pytest.mark.skipif(
     VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_FIX_E2E_VERSIONS"
 )
 
-_RECORD_START = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b \d\d-\d\d ")
+_STACK_LINE = re.compile(r"\] {5}(\S.*\.py:\d+ .*|<.*)$")
+"""A frame of the report: vLLM's formatter repeats the record's prefix on every line,
+then the message's four-space indent follows."""
 
 
 def stall_reports(log_text: str) -> list[tuple[str, list[str]]]:
@@ -39,9 +41,10 @@ def stall_reports(log_text: str) -> list[tuple[str, list[str]]]:
             continue
         stack: list[str] = []
         for follow in lines[i + 1 : i + 60]:
-            if _RECORD_START.search(follow) or (".py:" not in follow and "<" not in follow):
+            match = _STACK_LINE.search(follow)
+            if match is None:
                 break
-            stack.append(follow.strip())
+            stack.append(match.group(1))
         out.append((line, stack))
     return out
 

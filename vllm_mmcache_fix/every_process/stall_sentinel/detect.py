@@ -16,9 +16,11 @@ MIN_CPU_FRACTION = 0.8
 """A stalled thread uses at least this much of one core between two samples..."""
 MIN_RUNNABLE_FRACTION = 0.9
 """...or is on a CPU or waiting for one this much of the time (a busy machine)."""
-MAX_VOLUNTARY_PER_SEC = 2.0
-"""...and gives up the CPU of its own accord at most this often (blocking on I/O,
-locks or the GIL shows up here)."""
+MAX_VOLUNTARY_PER_SEC = 20.0
+"""...and gives up the CPU of its own accord at most this often. A thread that blocks
+on I/O or a lock even every 50 ms exceeds it; a spinning thread shows a few, because
+each ``/proc`` read of the sentinel hands the GIL back and forth (measured: 0-16 a
+second next to the sampler, none without it)."""
 MAX_DEPTH_ABOVE_ANCHOR = 4
 """The innermost frame may be at most this many calls above the frame that has not
 returned since the stall began (the loop calls small helpers: ``popitem``)."""
@@ -58,6 +60,8 @@ class Stall:
     stack: list[StackLine]
     """Innermost first."""
     frames_total: int
+    anchor_function: str = "?"
+    """The call that has not returned since the stall began (``Cache.__setitem__``)."""
 
     @property
     def top_function(self) -> str:
@@ -140,7 +144,7 @@ class Detector:
         busy = (
             cpu_s >= MIN_CPU_FRACTION * elapsed
             or (runnable_s is not None and runnable_s >= MIN_RUNNABLE_FRACTION * elapsed)
-        ) and voluntary <= max(1.0, MAX_VOLUNTARY_PER_SEC * elapsed)
+        ) and voluntary <= MAX_VOLUNTARY_PER_SEC * elapsed
         common = _common_prefix(track.anchor, stack)
         in_place = common > 0 and len(stack) - common <= MAX_DEPTH_ABOVE_ANCHOR
         track.counters, track.at = counters, now
@@ -164,6 +168,8 @@ class Detector:
         track.reported = True
         self.stalls += 1
         lines, total = stack_lines(frame)
+        anchor_at = total - len(track.anchor)  # innermost-first index of the anchor frame
+        anchor = lines[anchor_at].function if 0 <= anchor_at < len(lines) else "?"
         self.on_stall(
             Stall(
                 thread_name=thread.name,
@@ -177,6 +183,7 @@ class Detector:
                 involuntary=track.involuntary,
                 stack=lines,
                 frames_total=total,
+                anchor_function=anchor,
             )
         )
 

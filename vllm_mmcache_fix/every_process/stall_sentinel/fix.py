@@ -60,7 +60,8 @@ def format_stall(stall: Stall, where: str) -> str:
         runnable = f" (runnable {stall.runnable_percent:.0f}%)"
     lines = [
         f"{STALL} {where}: thread {stall.thread_name!r} (tid {stall.native_id}) has stayed in "
-        f"{stall.top_function} for {stall.seconds:.1f} s at {stall.cpu_percent:.0f}% CPU"
+        f"{stall.anchor_function} (innermost {stall.top_function}) for {stall.seconds:.1f} s "
+        f"at {stall.cpu_percent:.0f}% CPU"
         f"{runnable}, "
         f"voluntary switches +{stall.voluntary}, involuntary +{stall.involuntary}; "
         "a frozen engine answers no request (vllm#43941 stalls in LRUCache.popitem). "
@@ -243,6 +244,7 @@ class StallSentinelFix(Fix):
             "thread": stall.thread_name,
             "tid": stall.native_id,
             "seconds": round(stall.seconds, 1),
+            "in": stall.anchor_function,
             "cpu_percent": round(stall.cpu_percent, 1),
             "voluntary": stall.voluntary,
             "involuntary": stall.involuntary,
