@@ -23,4 +23,4 @@ INTERNAL_ERROR = "internal error"
 STALL = "thread stalled in"
 """The stall sentinel saw a thread stay in one place burning CPU:
 ``thread stalled in <process> pid=N: thread 'NAME' (tid N) ...`` then its stack."""
-STALL_SENTINEL_ACTIVE = "stall sentinel active in"
+STALL_SENTINEL_ACTIVE = "stall sentinel running in"
