@@ -91,7 +91,7 @@ def test_a_thread_spinning_in_one_function_gets_one_warning_with_its_stack() -> 
     status, err = _run(
         """
         spinner = Spinner()
-        t = threading.Thread(target=spinner.run, args=([("spin", 6.5)],), name="spinner")
+        t = threading.Thread(target=spinner.run, args=([("spin", 10.0)],), name="spinner")
         t.start(); t.join()
         time.sleep(1.5)
         """,
@@ -116,7 +116,7 @@ def test_a_thread_that_moves_on_and_stalls_again_is_reported_again() -> None:
     status, err = _run(
         """
         spinner = Spinner()
-        plan = [("spin", 4.5), ("sleep", 2.5), ("spin", 4.5)]
+        plan = [("spin", 7.0), ("sleep", 2.5), ("spin", 7.0)]
         t = threading.Thread(target=spinner.run, args=(plan,), name="spinner")
         t.start(); t.join()
         """,
@@ -259,7 +259,7 @@ import multiprocessing as mp
 
 class LRUCache:
     def popitem(self):
-        end = time.monotonic() + 9
+        end = time.monotonic() + 12
         while time.monotonic() < end:
             pass
 
