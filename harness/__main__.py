@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "apply-patch": "harness.apply_patch",
     "unit-pythons": "harness.pythons",
     "health-rtt": "harness.health",
+    "sentinel-cost": "harness.sentinel_cost",
 }
 
 

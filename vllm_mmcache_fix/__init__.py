@@ -1,12 +1,14 @@
 """vllm-mmcache-fix: multimodal processor caches that cannot freeze vLLM.
 
-Installed next to vLLM, the ``mmcache_fix`` general plugin installs two fixes:
+Installed next to vLLM, the ``mmcache_fix`` general plugin installs three fixes:
 
 - ``every_process/lru_eviction``: the LRU behind vLLM's multimodal processor
   caches gets an eviction that always makes progress (every process);
 - ``api_server/drift_guard``: the API server's sender cache stays in step with
   EngineCore's, and a request EngineCore cannot serve is re-sent with its
-  data (API server only).
+  data (API server only);
+- ``every_process/stall_sentinel``: a thread that logs the stack of any thread
+  stuck burning a core in one place (EngineCore and API server only).
 
 ``core/`` holds what they share, ``tools/`` the operator commands (``check``,
 ``diagnose``, ``patch``), ``catalogue`` and ``vllm_layout`` the data.
@@ -23,9 +25,23 @@ __all__ = ["__version__", "instrument", "register", "status", "uninstrument"]
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (see :mod:`vllm_mmcache_fix.plugin`)."""
-    from .plugin import register as _register
+    """The ``vllm.general_plugins`` entry point (see :mod:`vllm_mmcache_fix.plugin`).
 
+    vLLM calls it without a ``try``: not even a broken install may raise from here."""
+    try:
+        from .plugin import register as _register
+    except Exception as exc:
+        try:
+            import logging
+
+            logging.getLogger("vllm.mmcache_fix").warning(
+                "vllm-mmcache-fix: internal error, vLLM left as it is: cannot import the "
+                "plugin: %r",
+                exc,
+            )
+        except Exception:
+            pass
+        return
     _register()
 
 

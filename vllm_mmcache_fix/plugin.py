@@ -25,6 +25,7 @@ from .core.settings import Mode, read_mode
 from .engine_core.liveness.fix import EngineLivenessAnswer
 from .every_process.lru_eviction import cache as lru_cache
 from .every_process.lru_eviction.fix import LruEvictionFix
+from .every_process.stall_sentinel.fix import StallSentinelFix
 
 LRU_EVICTION = LruEvictionFix()
 DRIFT_GUARD = DriftGuard()
@@ -38,7 +39,16 @@ ENGINE_HEALTH.on_start = METRICS.start
 ENGINE_HEALTH.on_round_trip = METRICS.observe_round_trip
 ENGINE_HEALTH.on_failure = METRICS.round_trip_failed
 
-FIXES: tuple[Fix, ...] = (LRU_EVICTION, DRIFT_GUARD, ENGINE_ANSWER, ENGINE_HEALTH, METRICS)
+STALL_SENTINEL = StallSentinelFix()
+
+FIXES: tuple[Fix, ...] = (
+    LRU_EVICTION,
+    DRIFT_GUARD,
+    ENGINE_ANSWER,
+    ENGINE_HEALTH,
+    METRICS,
+    STALL_SENTINEL,
+)
 """Installed in this order; ``MMCACHE_FIX_MODE`` other than ``on`` keeps the drift guard out."""
 
 
@@ -61,6 +71,7 @@ def instrument() -> dict[str, Any]:
     ENGINE_ANSWER.install()
     ENGINE_HEALTH.install()
     METRICS.install()
+    STALL_SENTINEL.install()
     return status()
 
 
@@ -112,6 +123,7 @@ def status() -> dict[str, Any]:
         "repairs": lru["repairs"],
         "problems": lru["problems"],
         "drift": DRIFT_GUARD.status(),
+        "stall_sentinel": STALL_SENTINEL.status(),
         "fixes": {fix.id: fix.status() for fix in FIXES},
         "internal_errors": sum(fix.errors.total for fix in FIXES),
         "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],

@@ -172,3 +172,21 @@ CLIENT_INDEX = "client_index"
 METRICS_ROUTE_MODULES: tuple[str, ...] = ("vllm.entrypoints.serve.instrumentator.metrics",)
 """Imported when the API server attaches ``/metrics`` (0.23.0, 0.27.1, 0.32.0): the plugin's
 metrics start there, in serving processes only (and at the first ``/health`` otherwise)."""
+# --------------------------------------------------------------------------- plugin groups
+
+PLUGINS_MODULE_FILE = "vllm/plugins/__init__.py"
+"""Where vLLM names its entry-point groups (``*_PLUGINS_GROUP = "vllm...."``)."""
+
+PLUGIN_GROUPS: tuple[tuple[str, str], ...] = (
+    ("vllm.general_plugins", "every process (API server, EngineCore, workers)"),
+    ("vllm.platform_plugins", "every process, to pick the platform"),
+    ("vllm.io_processor_plugins", "API server, when --io-processor-plugin names one"),
+    ("vllm.stat_logger_plugins", "API server, stat loggers"),
+    ("vllm.endpoint_plugins", "API server (0.27+); loaded ONLY when named in VLLM_PLUGINS"),
+)
+"""The groups ``vllm/plugins/__init__.py`` reads in 0.23.0 (the first four) and 0.27.1 and
+0.32.0 (all five); each loader keeps, when ``VLLM_PLUGINS`` is set, only the entry points whose
+name is in ``VLLM_PLUGINS.split(",")`` (no stripping of spaces)."""
+
+STRICT_PLUGIN_GROUPS: frozenset[str] = frozenset({"vllm.endpoint_plugins"})
+"""Groups whose entry points vLLM skips when ``VLLM_PLUGINS`` is unset."""

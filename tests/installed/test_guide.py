@@ -93,8 +93,11 @@ def test_dockerfile_fragment(checkout: Path, tmp_path: Path, vllm_venv) -> None:
     )  # the image's COPY
     runs = _dockerfile_runs(body)
     assert runs, body
+    image_env = dict(
+        line[len("ENV ") :].split("=", 1) for line in body.splitlines() if line.startswith("ENV ")
+    )
     for command in runs:
-        done = _bash(command, venv, tmp_path)
+        done = _bash(command, venv, tmp_path, env=image_env)
         assert done.returncode == 0, (command, done.stdout, done.stderr)
     assert not Path("/tmp/wheels").exists()
     version = subprocess.run(

@@ -23,3 +23,7 @@ INTERNAL_ERROR = "internal error"
 ENGINE_NOT_ANSWERING = "EngineCore does not answer"
 """``/health`` fails: an EngineCore left the liveness round trip unanswered past the timeout."""
 ENGINE_ANSWERS_AGAIN = "EngineCore answers again"
+STALL = "thread stalled in"
+"""The stall sentinel saw a thread stay in one place burning CPU:
+``thread stalled in <process> pid=N: thread 'NAME' (tid N) ...`` then its stack."""
+STALL_SENTINEL_ACTIVE = "stall sentinel running in"

@@ -120,3 +120,12 @@ def read_float(
 def read_health_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
     """``MMCACHE_FIX_HEALTH_TIMEOUT``: seconds; ``0`` switches the engine round trip off."""
     return read_float(ENV_HEALTH_TIMEOUT, DEFAULT_HEALTH_TIMEOUT, environ)
+
+
+ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
+DEFAULT_STALL_SECONDS = 10.0
+
+
+def read_stall_seconds(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """How long a thread may stay in one place burning CPU before it is reported; 0: off."""
+    return read_float(ENV_STALL_SECONDS, DEFAULT_STALL_SECONDS, environ)

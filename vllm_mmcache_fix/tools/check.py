@@ -15,12 +15,13 @@ from typing import Any
 
 from ..core.settings import ENV_MODE, Mode, read_mode
 from ..every_process.lru_eviction.probe import Exposure, probe
-from ..vllm_layout import MM_CACHE_FACTORY
+from ..vllm_layout import MM_CACHE_FACTORY, PLUGIN_GROUPS, PLUGINS_MODULE_FILE, STRICT_PLUGIN_GROUPS
 
 SCHEMA_VERSION = 1
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "mmcache_fix"
 ASCEND_PLATFORM_PLUGIN = "ascend"
+ASCEND_DISTRIBUTION = "vllm-ascend"
 
 
 class Verdict(str, enum.Enum):
@@ -51,6 +52,14 @@ class CheckReport:
     vllm_plugins: str | None = None
     plugin_allowed: bool = False
     ascend_allowed: bool | None = None
+    plugin_groups: list[str] = field(default_factory=list)
+    """Every entry-point group vLLM loads plugins from (installed vLLM's and the known ones)."""
+    plugin_entry_points: list[dict[str, Any]] = field(default_factory=list)
+    """Every installed entry point of those groups: group, name, value, distribution, loads."""
+    filtered_out: list[dict[str, Any]] = field(default_factory=list)
+    """The entry points ``VLLM_PLUGINS`` keeps vLLM from loading."""
+    ascend_entry_points: list[str] = field(default_factory=list)
+    """vllm-ascend's entry point names, from its installed metadata."""
     mode: str = Mode.ON.value
     patch_works: bool | None = None
     target: str | None = None
@@ -78,10 +87,94 @@ def _dist_version(*names: str) -> str | None:
 
 
 def parse_vllm_plugins(raw: str | None) -> list[str] | None:
-    """vLLM's reading of ``VLLM_PLUGINS``: unset → None (load all), else a comma list."""
+    """vLLM's reading of ``VLLM_PLUGINS``: unset → None (load all), else ``raw.split(",")``.
+
+    vLLM does not strip spaces: ``"ascend, mmcache_fix"`` allows ``" mmcache_fix"``,
+    which no entry point is called."""
     if raw is None:
         return None
-    return [name.strip() for name in raw.split(",")]
+    return raw.split(",")
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def vllm_plugin_groups(vllm_dir: str | None) -> list[str]:
+    """The groups vLLM loads: the known table plus any ``"vllm.*_plugins"`` the installed
+    ``vllm/plugins/__init__.py`` names."""
+    import re
+
+    groups = [group for group, _ in PLUGIN_GROUPS]
+    if vllm_dir:
+        path = os.path.join(os.path.dirname(vllm_dir), PLUGINS_MODULE_FILE)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError:
+            text = ""
+        for found in re.findall(r"[\"'](vllm\.[a-z_]+_plugins)[\"']", text):
+            if found not in groups:
+                groups.append(found)
+    return groups
+
+
+def plugin_entry_points(
+    groups: list[str], allowed: list[str] | None, distributions: Any = None
+) -> list[dict[str, Any]]:
+    """Every installed entry point of ``groups`` (and of any other ``vllm.*`` group), as
+    vLLM sees them: one distribution per name, the first on ``sys.path``."""
+    dists = metadata.distributions() if distributions is None else distributions
+    seen: set[str] = set()
+    rows: list[dict[str, Any]] = []
+    for dist in dists:
+        try:
+            name = dist.metadata["Name"] or "?"
+            eps = list(dist.entry_points)
+        except Exception:
+            continue
+        if _norm(name) in seen:
+            continue
+        seen.add(_norm(name))
+        for ep in eps:
+            if ep.group not in groups and not ep.group.startswith("vllm."):
+                continue
+            if ep.group in STRICT_PLUGIN_GROUPS:
+                loads = allowed is not None and ep.name in allowed
+            else:
+                loads = allowed is None or ep.name in allowed
+            rows.append(
+                {
+                    "group": ep.group,
+                    "name": ep.name,
+                    "value": ep.value,
+                    "distribution": name,
+                    "loads": loads,
+                    "known_group": ep.group in groups,
+                    "vllm_ascend": _norm(name) == ASCEND_DISTRIBUTION,
+                }
+            )
+    rows.sort(key=lambda r: (r["group"], r["name"], r["distribution"]))
+    return rows
+
+
+def _report_plugins(report: CheckReport, allowed: list[str] | None) -> None:
+    report.plugin_groups = vllm_plugin_groups(report.vllm_location)
+    rows = plugin_entry_points(report.plugin_groups, allowed)
+    report.plugin_entry_points = rows
+    report.ascend_entry_points = [r["name"] for r in rows if r["vllm_ascend"]]
+    if allowed is None:
+        return
+    report.filtered_out = [r for r in rows if not r["loads"]]
+    ascend_out = [r for r in report.filtered_out if r["vllm_ascend"]]
+    if ascend_out:
+        keep = sorted({r["name"] for r in rows if r["vllm_ascend"]} | {ENTRY_POINT_NAME})
+        names = ", ".join(f"{r['name']} ({r['group']})" for r in ascend_out)
+        report.problems.append(
+            f"VLLM_PLUGINS={report.vllm_plugins!r} filters out vllm-ascend's {names}: "
+            "vLLM silently skips them (and with the general ones vllm-ascend's patches); "
+            f"use VLLM_PLUGINS={','.join(keep)}"
+        )
 
 
 def _entry_point_found() -> bool:
@@ -152,12 +245,17 @@ def run_check(environ: dict[str, str] | None = None) -> CheckReport:
     from importlib.util import find_spec
 
     if find_spec("vllm") is None:
-        return CheckReport(
+        report = CheckReport(
             verdict=Verdict.NO_VLLM,
             summary="vLLM is not installed in this Python environment "
             "(run the check with the Python that runs vLLM)",
             remedies=["run `python -m vllm_mmcache_fix check` with vLLM's interpreter"],
         )
+        # The plugin entry points are metadata: listed even without vLLM.
+        report.vllm_ascend_version = _dist_version("vllm-ascend", "vllm_ascend")
+        report.vllm_plugins = env.get("VLLM_PLUGINS")
+        _report_plugins(report, parse_vllm_plugins(report.vllm_plugins))
+        return report
     report = CheckReport(verdict=Verdict.VULNERABLE, summary="")
     import vllm  # noqa: F401  (the version attribute needs the package imported)
 
@@ -175,6 +273,7 @@ def run_check(environ: dict[str, str] | None = None) -> CheckReport:
     report.plugin_allowed = report.entry_point_found and (
         allowed is None or ENTRY_POINT_NAME in allowed
     )
+    _report_plugins(report, allowed)
     if report.vllm_ascend_version is not None:
         report.ascend_allowed = allowed is None or ASCEND_PLATFORM_PLUGIN in allowed
         if not report.ascend_allowed:

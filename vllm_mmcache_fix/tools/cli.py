@@ -26,6 +26,9 @@ def _print_check(report: object, as_json: bool) -> None:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
         return
     if report.vllm_version is None:
+        _print_filtered(report.filtered_out)
+        for problem in report.problems:
+            print(f"problem: {problem}")
         for remedy in report.remedies:
             print(f"remedy: {remedy}")
         print(f"verdict: {report.verdict.value.upper()} - {report.summary}")
@@ -57,14 +60,31 @@ def _print_check(report: object, as_json: bool) -> None:
         ("MMCACHE_FIX_MODE", report.mode),
         ("patch on this layout", _patch_text(report.patch_works, report.target)),
     ]
+    rows.append(
+        (
+            "vLLM plugin entry points",
+            f"{len(report.plugin_entry_points)} installed, "
+            f"{len(report.filtered_out)} filtered out by VLLM_PLUGINS",
+        )
+    )
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    _print_filtered(report.filtered_out)
     for problem in report.problems:
         print(f"problem: {problem}")
     for remedy in report.remedies:
         print(f"remedy: {remedy}")
     print(f"verdict: {report.verdict.value.upper()} - {report.summary}")
+
+
+def _print_filtered(filtered: list[dict[str, object]]) -> None:
+    for ep in filtered:
+        flag = "  <- vllm-ascend" if ep["vllm_ascend"] else ""
+        print(
+            f"filtered out: {ep['group']} {ep['name']} = {ep['value']} "
+            f"(distribution {ep['distribution']}){flag}"
+        )
 
 
 def _yn(value: object) -> str:

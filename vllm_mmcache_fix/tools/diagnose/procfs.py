@@ -1,7 +1,8 @@
 """Reading ``/proc``: threads, CPU time, context switches, states, the process tree.
 
-The one place in the project that parses ``/proc``; the development harness
-samples servers through it too."""
+The stat and status parsers are shared with the stall sentinel
+(``core/procfs.py``); the development harness samples servers through this
+module too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...core.procfs import StatFields, parse_schedstat, parse_stat, parse_switches
 from .rules import _ENGINE_CORE_COMM, _SYSCALL_NAMES, ENGINE_CORE_MARKER, DiagnoseError
 
 # --------------------------------------------------------------------------- /proc reading
@@ -48,32 +50,14 @@ def _read(path: Path, *, optional: bool = False) -> str | None:
     return data.decode("utf-8", "replace")
 
 
-@dataclass
-class _Stat:
-    comm: str
-    state: str
-    ppid: int
-    ticks: int
-    starttime: int
+def _parse_stat(text: str, path: Path) -> StatFields:
+    try:
+        return parse_stat(text)
+    except ValueError as exc:
+        raise DiagnoseError(f"cannot parse {path}: {text[:80]!r}") from exc
 
 
-def _parse_stat(text: str, path: Path) -> _Stat:
-    # The name is in parentheses and may itself contain spaces and parentheses.
-    open_paren = text.find("(")
-    close_paren = text.rfind(")")
-    rest = text[close_paren + 2 :].split()
-    if open_paren < 0 or close_paren < open_paren or len(rest) < 20:
-        raise DiagnoseError(f"cannot parse {path}: {text[:80]!r}")
-    return _Stat(
-        comm=text[open_paren + 1 : close_paren],
-        state=rest[0],
-        ppid=int(rest[1]),
-        ticks=int(rest[11]) + int(rest[12]),
-        starttime=int(rest[19]),
-    )
-
-
-def _read_stat(path: Path) -> _Stat:
+def _read_stat(path: Path) -> StatFields:
     text = _read(path)
     assert text is not None
     return _parse_stat(text, path)
@@ -82,20 +66,11 @@ def _read_stat(path: Path) -> _Stat:
 def _switches(path: Path) -> tuple[int, int]:
     text = _read(path)
     assert text is not None
-    voluntary = nonvoluntary = 0
-    for line in text.splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            voluntary = int(line.split(":", 1)[1])
-        elif line.startswith("nonvoluntary_ctxt_switches:"):
-            nonvoluntary = int(line.split(":", 1)[1])
-    return voluntary, nonvoluntary
+    return parse_switches(text)
 
 
 def _runnable_ns(text: str | None) -> int | None:
-    fields = (text or "").split()
-    if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
-        return None
-    return int(fields[0]) + int(fields[1])
+    return parse_schedstat(text or "")
 
 
 def _syscall_name(text: str | None) -> str | None:

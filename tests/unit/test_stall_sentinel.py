@@ -1,0 +1,287 @@
+"""The stall sentinel in a real process: real threads, real ``/proc``, real timing.
+
+Each case runs a small Python program in a subprocess that installs the
+sentinel as the plugin does (``StallSentinelFix().install()``, threshold from
+``MMCACHE_FIX_STALL_SECONDS``), with the plugin's logger writing to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness.paths import REPO_ROOT
+from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX, STALL, STALL_SENTINEL_ACTIVE
+from vllm_mmcache_fix.core.settings import (
+    DEFAULT_STALL_SECONDS,
+    ENV_STALL_SECONDS,
+    read_stall_seconds,
+)
+from vllm_mmcache_fix.every_process.stall_sentinel.fix import (
+    API_SERVER,
+    ENGINE_CORE,
+    process_kind,
+)
+
+PRELUDE = textwrap.dedent(
+    """
+    import json, logging, sys, threading, time
+    logger = logging.getLogger("vllm")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    from vllm_mmcache_fix.every_process.stall_sentinel.fix import StallSentinelFix
+
+    class Spinner:
+        def __init__(self):
+            self.running = True
+            self.data = {}
+
+        def spin_here(self, seconds):
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                self.data[len(self.data) % 64] = len(self.data)
+
+        def run(self, plan):
+            for kind, seconds in plan:
+                if kind == "spin":
+                    self.spin_here(seconds)
+                else:
+                    time.sleep(seconds)
+
+    sentinel = StallSentinelFix()
+    sentinel.install()
+    """
+)
+
+
+def _run(body: str, env: dict[str, str], timeout: float = 60.0) -> tuple[dict, str]:
+    code = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(sentinel.status()))\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO_ROOT),
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _stall_records(stderr: str) -> list[str]:
+    """Each WARNING record of a stall, with its indented stack lines."""
+    records: list[str] = []
+    for line in stderr.splitlines():
+        if line.startswith("WARNING " + PREFIX + STALL):
+            records.append(line)
+        elif line.startswith("    ") and records:
+            records[-1] += "\n" + line
+    return records
+
+
+def test_a_thread_spinning_in_one_function_gets_one_warning_with_its_stack() -> None:
+    status, err = _run(
+        """
+        spinner = Spinner()
+        t = threading.Thread(target=spinner.run, args=([("spin", 10.0)],), name="spinner")
+        t.start(); t.join()
+        time.sleep(1.5)
+        """,
+        {ENV_STALL_SECONDS: "2"},
+    )
+    records = _stall_records(err)
+    assert len(records) == 1, err
+    record = records[0]
+    assert "thread 'spinner'" in record, record
+    stack = record.split("innermost first:", 1)[1].strip().splitlines()
+    assert "spin_here" in stack[0], record  # the innermost frame is the spinning function
+    assert any(" run" in line or "Spinner.run" in line for line in stack), record
+    assert "<string>:" in stack[0], record  # file:line
+    assert "% CPU" in record and "voluntary switches +" in record and "involuntary +" in record
+    assert STALL_SENTINEL_ACTIVE in err
+    assert status["stalls"] == 1 and status["running"] is True
+    assert status["last_stall"]["thread"] == "spinner"
+    assert status["samples"] >= 6
+
+
+def test_a_thread_that_moves_on_and_stalls_again_is_reported_again() -> None:
+    status, err = _run(
+        """
+        spinner = Spinner()
+        plan = [("spin", 7.0), ("sleep", 2.5), ("spin", 7.0)]
+        t = threading.Thread(target=spinner.run, args=(plan,), name="spinner")
+        t.start(); t.join()
+        """,
+        {ENV_STALL_SECONDS: "2"},
+    )
+    assert len(_stall_records(err)) == 2, err
+    assert status["stalls"] == 2
+
+
+def test_idle_sleeping_and_blocked_threads_are_not_reported() -> None:
+    status, err = _run(
+        """
+        lock = threading.Lock(); lock.acquire()
+        event = threading.Event()
+        threads = [
+            threading.Thread(target=time.sleep, args=(6,), name="sleeper"),
+            threading.Thread(target=lock.acquire, name="blocked"),
+            threading.Thread(target=event.wait, args=(6,), name="waiter"),
+        ]
+        for t in threads: t.start()
+        threads[0].join(); lock.release(); event.set()
+        for t in threads: t.join()
+        """,
+        {ENV_STALL_SECONDS: "2"},
+    )
+    assert _stall_records(err) == [], err
+    assert status["stalls"] == 0 and status["samples"] >= 5 and status["running"]
+
+
+def test_a_busy_thread_that_blocks_often_is_not_reported() -> None:
+    """CPU-bound bursts with a blocking wait in between: voluntary switches are not flat."""
+    status, err = _run(
+        """
+        def worker():
+            end = time.monotonic() + 6
+            ev = threading.Event()
+            while time.monotonic() < end:
+                x = 0
+                for i in range(20000): x += i
+                ev.wait(0.002)
+        t = threading.Thread(target=worker, name="bursty"); t.start(); t.join()
+        """,
+        {ENV_STALL_SECONDS: "2"},
+    )
+    assert _stall_records(err) == [], err
+    assert status["stalls"] == 0
+
+
+def test_injected_fault_stops_the_sentinel_after_one_line_and_the_program_goes_on() -> None:
+    status, err = _run(
+        """
+        spinner = Spinner()
+        t = threading.Thread(target=spinner.run, args=([("spin", 4.5)],), name="spinner")
+        t.start(); t.join()
+        print("program finished", file=sys.stderr)
+        """,
+        {ENV_STALL_SECONDS: "2", "MMCACHE_FIX_FAIL_AT": "stall.sample"},
+    )
+    plugin_lines = [line for line in err.splitlines() if PREFIX in line]
+    errors = [line for line in plugin_lines if INTERNAL_ERROR in line]
+    assert len(errors) == 1, err
+    assert "stall.sample" in errors[0]
+    assert _stall_records(err) == []
+    assert "program finished" in err
+    assert status["running"] is False and status["stalls"] == 0
+    assert "stall.sample" in status["stopped_reason"]
+    assert status["internal_errors"] == {"stall.sample": 1}
+
+
+def test_an_exception_inside_the_sampler_stops_it_quietly() -> None:
+    status, err = _run(
+        """
+        from vllm_mmcache_fix.every_process.stall_sentinel import detect
+        def broken(self):
+            raise RuntimeError("sampler broke")
+        detect.Detector.sample = broken
+        spinner = Spinner()
+        t = threading.Thread(target=spinner.run, args=([("spin", 3.5)],), name="spinner")
+        t.start(); t.join()
+        """,
+        {ENV_STALL_SECONDS: "1"},
+    )
+    tracebacks = err.count("RuntimeError: sampler broke")
+    errors = [line for line in err.splitlines() if PREFIX in line and INTERNAL_ERROR in line]
+    assert len(errors) == 1 and tracebacks >= 1, err
+    assert status["running"] is False
+    assert "sampler broke" in status["stopped_reason"]
+
+
+def test_zero_turns_it_off() -> None:
+    status, err = _run("time.sleep(1.5)\n", {ENV_STALL_SECONDS: "0"})
+    assert status["enabled"] is False and status["running"] is False
+    assert f"{ENV_STALL_SECONDS}=0" in status["not_enabled_reason"]
+
+
+def test_mode_off_turns_it_off() -> None:
+    status, _ = _run("time.sleep(0.2)\n", {"MMCACHE_FIX_MODE": "off"})
+    assert status["enabled"] is False and status["running"] is False
+
+
+@pytest.mark.parametrize("raw", ["ten", "-3", "nan", "inf"])
+def test_bad_threshold_uses_the_default_with_one_sentence(raw: str) -> None:
+    setting = read_stall_seconds({ENV_STALL_SECONDS: raw})
+    assert setting.value == DEFAULT_STALL_SECONDS
+    assert setting.problem is not None and ENV_STALL_SECONDS in setting.problem
+
+
+def test_bad_threshold_in_a_process_warns_and_runs_with_the_default() -> None:
+    status, err = _run("time.sleep(1.5)\n", {ENV_STALL_SECONDS: "soon"})
+    assert status["threshold_s"] == DEFAULT_STALL_SECONDS and status["running"]
+    assert any(ENV_STALL_SECONDS in line and "WARNING" in line for line in err.splitlines()), err
+
+
+def test_good_thresholds() -> None:
+    assert read_stall_seconds({}).value == DEFAULT_STALL_SECONDS
+    assert read_stall_seconds({ENV_STALL_SECONDS: " 2.5 "}).value == 2.5
+    assert read_stall_seconds({ENV_STALL_SECONDS: "0"}).value == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "title", "kind"),
+    [
+        ("EngineCore", "VLLM::EngineCore", ENGINE_CORE),
+        ("EngineCore_DP1", "VLLM::EngineCore_DP1", ENGINE_CORE),
+        ("MainProcess", "VLLM::EngineCore", ENGINE_CORE),
+        ("MainProcess", "/venv/bin/python", API_SERVER),
+        ("ApiServer_1", "VLLM::APIServer_1", API_SERVER),
+        ("MainProcess", "VLLM::APIServer", API_SERVER),
+        ("VllmWorker-0", "VLLM::Worker", None),
+        ("MainProcess", "VLLM::Worker_TP0", None),
+        ("DPCoordinator", "VLLM::DPCoordinator", None),
+    ],
+)
+def test_process_kind(name: str, title: str, kind: str | None) -> None:
+    assert process_kind(name, title) == kind
+
+
+FORK_BODY = """
+import multiprocessing as mp
+
+class LRUCache:
+    def popitem(self):
+        end = time.monotonic() + 12
+        while time.monotonic() < end:
+            pass
+
+def child():
+    LRUCache().popitem()
+
+ctx = mp.get_context("fork")
+for name in ("EngineCore", "VllmWorker-0"):
+    p = ctx.Process(target=child, name=name)
+    p.start(); p.join(30)
+    assert p.exitcode == 0, p.exitcode
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -> None:
+    """vLLM forks EngineCore from the API server and calls no plugin again there."""
+    status, err = _run(FORK_BODY, {ENV_STALL_SECONDS: "2"}, timeout=90)
+    records = _stall_records(err)
+    assert len(records) == 1, err
+    assert "thread stalled in EngineCore pid=" in records[0], records[0]
+    assert "LRUCache.popitem" in records[0] or " popitem" in records[0], records[0]
+    active = [line for line in err.splitlines() if STALL_SENTINEL_ACTIVE in line]
+    assert len(active) == 2, err  # the parent and the EngineCore child, not the worker
+    assert status["stalls"] == 0  # the parent saw none of its own

@@ -1,0 +1,86 @@
+"""Small ``/proc`` parsers shared by the stall sentinel and ``diagnose``.
+
+Pure text parsing plus one reader for this process's own threads; nothing
+here imports vLLM or the operator tools. Parsers raise ``ValueError`` on text
+they do not recognise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StatFields:
+    """The fields of ``/proc/<pid>[/task/<tid>]/stat`` the project uses."""
+
+    comm: str
+    state: str
+    ppid: int
+    ticks: int
+    """utime + stime, in clock ticks."""
+    starttime: int
+
+
+def parse_stat(text: str) -> StatFields:
+    # The name is in parentheses and may itself contain spaces and parentheses.
+    open_paren = text.find("(")
+    close_paren = text.rfind(")")
+    rest = text[close_paren + 2 :].split()
+    if open_paren < 0 or close_paren < open_paren or len(rest) < 20:
+        raise ValueError(f"not a /proc stat line: {text[:80]!r}")
+    return StatFields(
+        comm=text[open_paren + 1 : close_paren],
+        state=rest[0],
+        ppid=int(rest[1]),
+        ticks=int(rest[11]) + int(rest[12]),
+        starttime=int(rest[19]),
+    )
+
+
+def parse_switches(text: str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches from a ``status`` file."""
+    voluntary = nonvoluntary = 0
+    for line in text.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            voluntary = int(line.split(":", 1)[1])
+        elif line.startswith("nonvoluntary_ctxt_switches:"):
+            nonvoluntary = int(line.split(":", 1)[1])
+    return voluntary, nonvoluntary
+
+
+def parse_schedstat(text: str) -> int | None:
+    """Nanoseconds on a CPU plus waiting for one, from a ``schedstat`` file."""
+    fields = text.split()
+    if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
+        return None
+    return int(fields[0]) + int(fields[1])
+
+
+@dataclass(frozen=True)
+class ThreadCounters:
+    ticks: int
+    """CPU time (utime + stime) in clock ticks."""
+    voluntary: int
+    involuntary: int
+    runnable_ns: int | None
+    """On a CPU or waiting for one (None where schedstat is missing)."""
+
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as handle:
+        return handle.read().decode("utf-8", "replace")
+
+
+def read_own_thread(tid: int) -> ThreadCounters:
+    """The counters of thread ``tid`` (its native id) of this process.
+
+    Raises ``OSError`` when the thread is gone."""
+    base = f"/proc/self/task/{tid}/"
+    ticks = parse_stat(_read_text(base + "stat")).ticks
+    voluntary, involuntary = parse_switches(_read_text(base + "status"))
+    try:
+        runnable = parse_schedstat(_read_text(base + "schedstat"))
+    except OSError:
+        runnable = None
+    return ThreadCounters(ticks, voluntary, involuntary, runnable)

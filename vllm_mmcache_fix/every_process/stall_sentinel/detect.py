@@ -1,0 +1,245 @@
+"""The stall rule: one sample of every Python thread, compared with the last one."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+
+from ...core.procfs import ThreadCounters, read_own_thread
+
+MIN_CPU_FRACTION = 0.8
+"""A stalled thread uses at least this much of one core between two samples..."""
+MIN_RUNNABLE_FRACTION = 0.9
+"""...or is on a CPU or waiting for one this much of the time (a busy machine)."""
+MAX_VOLUNTARY_PER_SEC = 20.0
+"""...and gives up the CPU of its own accord at most this often. A thread that blocks
+on I/O or a lock even every 50 ms exceeds it; a spinning thread shows a few, because
+each ``/proc`` read of the sentinel hands the GIL back and forth (measured: 0-16 a
+second next to the sampler, none without it)."""
+MAX_DEPTH_ABOVE_ANCHOR = 4
+MAX_MISSES = 1
+"""Consecutive starved intervals a stall survives (the thread stays in place, but another
+process took the core)."""
+TOTAL_SLACK = 0.75
+"""Over the whole stall, the thread must still show this share of the per-interval bar."""
+"""The innermost frame may be at most this many calls above the frame that has not
+returned since the stall began (the loop calls small helpers: ``popitem``)."""
+MAX_STACK_FRAMES = 40
+"""Frames written in a report (innermost first); deeper ones are summarised."""
+
+try:
+    CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK"))
+except (ValueError, OSError, AttributeError):
+    CLOCK_TICKS = 100.0
+
+FrameKey = tuple[int, int]
+"""(id of the frame, id of its code object): the same call, as long as it lasts."""
+
+
+@dataclass(frozen=True)
+class StackLine:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} {self.function}"
+
+
+@dataclass
+class Stall:
+    """One stalled thread, as reported."""
+
+    thread_name: str
+    native_id: int
+    seconds: float
+    cpu_percent: float
+    runnable_percent: float | None
+    voluntary: int
+    involuntary: int
+    stack: list[StackLine]
+    """Innermost first."""
+    frames_total: int
+    anchor_function: str = "?"
+    """The call that has not returned since the stall began (``Cache.__setitem__``)."""
+
+    @property
+    def top_function(self) -> str:
+        return self.stack[0].function if self.stack else "?"
+
+
+@dataclass
+class _Track:
+    native_id: int
+    anchor: list[FrameKey]
+    counters: ThreadCounters
+    at: float
+    since: float
+    cpu_s: float = 0.0
+    runnable_s: float | None = 0.0
+    voluntary: int = 0
+    involuntary: int = 0
+    reported: bool = False
+    misses: int = 0
+    """Consecutive intervals in place but not busy (a loaded machine can starve one)."""
+
+
+@dataclass
+class Detector:
+    """Feed it :meth:`sample` every interval; it calls ``on_stall`` once per stall."""
+
+    threshold_s: float
+    on_stall: Callable[[Stall], None]
+    read_counters: Callable[[int], ThreadCounters] = read_own_thread
+    clock: Callable[[], float] = time.monotonic
+    ignore_idents: set[int] = field(default_factory=set)
+    tracks: dict[int, _Track] = field(default_factory=dict)
+    stalls: int = 0
+    samples: int = 0
+
+    def sample(self) -> None:
+        now = self.clock()
+        frames = sys._current_frames()
+        names = {t.ident: t for t in threading.enumerate()}
+        seen: set[int] = set()
+        for ident, frame in frames.items():
+            if ident in self.ignore_idents:
+                continue
+            thread = names.get(ident)
+            native_id = getattr(thread, "native_id", None)
+            if thread is None or native_id is None:
+                continue
+            try:
+                counters = self.read_counters(native_id)
+            except OSError:
+                continue  # the thread ended meanwhile
+            seen.add(ident)
+            self._step(ident, thread, frame, counters, now)
+        for ident in list(self.tracks):
+            if ident not in seen:
+                del self.tracks[ident]
+        self.samples += 1
+        del frames
+
+    def _step(
+        self,
+        ident: int,
+        thread: threading.Thread,
+        frame: FrameType,
+        counters: ThreadCounters,
+        now: float,
+    ) -> None:
+        stack = _keys(frame)
+        track = self.tracks.get(ident)
+        if track is None or track.native_id != thread.native_id:
+            self.tracks[ident] = _Track(thread.native_id or 0, stack, counters, now, now)
+            return
+        elapsed = now - track.at
+        if elapsed <= 0:
+            return
+        cpu_s = (counters.ticks - track.counters.ticks) / CLOCK_TICKS
+        voluntary = counters.voluntary - track.counters.voluntary
+        involuntary = counters.involuntary - track.counters.involuntary
+        runnable_s: float | None = None
+        if counters.runnable_ns is not None and track.counters.runnable_ns is not None:
+            runnable_s = (counters.runnable_ns - track.counters.runnable_ns) / 1e9
+        busy = (
+            cpu_s >= MIN_CPU_FRACTION * elapsed
+            or (runnable_s is not None and runnable_s >= MIN_RUNNABLE_FRACTION * elapsed)
+        ) and voluntary <= MAX_VOLUNTARY_PER_SEC * elapsed
+        common = _common_prefix(track.anchor, stack)
+        in_place = common > 0 and len(stack) - common <= MAX_DEPTH_ABOVE_ANCHOR
+        track.counters, track.at = counters, now
+        if in_place and not busy and track.misses < MAX_MISSES and not track.reported:
+            # One starved interval (the machine's other work took the core) does not end a
+            # stall; the totals below still have to show a busy thread.
+            track.misses += 1
+            busy = True
+        elif busy:
+            track.misses = 0
+        if not (busy and in_place):
+            track.anchor, track.since = stack, now
+            track.cpu_s, track.runnable_s = 0.0, 0.0
+            track.voluntary = track.involuntary = 0
+            track.reported = False
+            track.misses = 0
+            return
+        del track.anchor[common:]
+        track.cpu_s += cpu_s
+        if runnable_s is None or track.runnable_s is None:
+            track.runnable_s = None
+        else:
+            track.runnable_s += runnable_s
+        track.voluntary += voluntary
+        track.involuntary += involuntary
+        seconds = now - track.since
+        if track.reported or seconds < self.threshold_s or track.misses:
+            return
+        hot = track.cpu_s >= MIN_CPU_FRACTION * TOTAL_SLACK * seconds or (
+            track.runnable_s is not None
+            and track.runnable_s >= MIN_RUNNABLE_FRACTION * TOTAL_SLACK * seconds
+        )
+        if not hot or track.voluntary > MAX_VOLUNTARY_PER_SEC * seconds:
+            return
+        track.reported = True
+        self.stalls += 1
+        lines, total = stack_lines(frame)
+        anchor_at = total - len(track.anchor)  # innermost-first index of the anchor frame
+        anchor = lines[anchor_at].function if 0 <= anchor_at < len(lines) else "?"
+        self.on_stall(
+            Stall(
+                thread_name=thread.name,
+                native_id=track.native_id,
+                seconds=seconds,
+                cpu_percent=100.0 * track.cpu_s / seconds,
+                runnable_percent=None
+                if track.runnable_s is None
+                else 100.0 * track.runnable_s / seconds,
+                voluntary=track.voluntary,
+                involuntary=track.involuntary,
+                stack=lines,
+                frames_total=total,
+                anchor_function=anchor,
+            )
+        )
+
+
+def _keys(frame: FrameType | None) -> list[FrameKey]:
+    """Outermost first."""
+    keys: list[FrameKey] = []
+    while frame is not None:
+        keys.append((id(frame), id(frame.f_code)))
+        frame = frame.f_back
+    keys.reverse()
+    return keys
+
+
+def _common_prefix(a: list[FrameKey], b: list[FrameKey]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def function_name(frame: FrameType) -> str:
+    code = frame.f_code
+    return getattr(code, "co_qualname", None) or code.co_name
+
+
+def stack_lines(frame: FrameType | None) -> tuple[list[StackLine], int]:
+    """(the innermost ``MAX_STACK_FRAMES`` frames, innermost first; the stack's depth)."""
+    lines: list[StackLine] = []
+    total = 0
+    while frame is not None:
+        total += 1
+        if len(lines) < MAX_STACK_FRAMES:
+            lines.append(StackLine(frame.f_code.co_filename, frame.f_lineno, function_name(frame)))
+        frame = frame.f_back
+    return lines, total
