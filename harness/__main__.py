@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "make-patches": "harness.make_patches",
     "apply-patch": "harness.apply_patch",
     "unit-pythons": "harness.pythons",
+    "matrix": "harness.matrix",
 }
 
 
