@@ -165,6 +165,10 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     rope = {"type": "mrope", "rope_type": "default", "mrope_section": MROPE_SECTION}
     text = {
         "model_type": "qwen2_vl_text",
+        # transformers 4.57's Qwen2VLConfig reads every attribute its text config has from
+        # the text config, "architectures" included: without it there, vLLM 0.13-0.19 find
+        # no architecture and serve the model as a pooling model.
+        "architectures": ["Qwen2VLForConditionalGeneration"],
         "vocab_size": VOCAB_SIZE,
         "hidden_size": TEXT_HIDDEN,
         "intermediate_size": 256,
