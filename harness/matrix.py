@@ -233,7 +233,8 @@ def drift_record(
     }
 
 
-def concurrent_record(venv: Path, model: Path, lock: Any) -> dict[str, Any]:
+def concurrent_record(venv: Path, lock: Any, plugin: bool) -> dict[str, Any]:
+    """A short concurrent run (:mod:`harness.concurrent`), when this checkout has it."""
     if importlib.util.find_spec("harness.concurrent") is None:
         return {"skipped": "not available (harness/concurrent.py is not in this checkout)"}
     mod = importlib.import_module("harness.concurrent")
@@ -241,11 +242,21 @@ def concurrent_record(venv: Path, model: Path, lock: Any) -> dict[str, Any]:
     if runner is None:
         return {"skipped": "not available (harness.concurrent has no run_concurrent)"}
     try:
-        res = runner(venv, lock=lock, model=model, requests=40)
-    except TypeError:
-        res = runner(venv, lock=lock)
-    data = res if isinstance(res, dict) else getattr(res, "__dict__", {"result": str(res)})
-    return {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))}
+        res = runner(
+            venv,
+            plugin=plugin,
+            requests=60,
+            clients=4,
+            lock=lock,
+            request_timeout=30.0,
+            max_seconds=240.0,
+        )
+        data = res.to_dict()
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    keep = {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    keep["load_failures"] = list(data.get("load_failures") or [])[:5]
+    return keep
 
 
 def _with_plugin_summary(phase: dict[str, Any]) -> dict[str, Any]:
@@ -345,7 +356,7 @@ def run_release(
                 if not quick and phase["incident"].get("started"):
                     _log(f"{version} {tag}: mixed drift run ({drift_requests} requests)")
                     phase["drift"] = drift_record(venv, model, lock, drift_requests, env)
-                    phase["concurrent"] = concurrent_record(venv, model, lock)
+                    phase["concurrent"] = concurrent_record(venv, lock, plugin is not None)
                 if plugin is not None:
                     set_plugin(venv, None)
             phase["summary"] = _with_plugin_summary(phase)
