@@ -224,6 +224,10 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     for key, value in text.items():
         if key != "model_type":
             top.setdefault(key, value)
+    # transformers rewrites the text config's legacy "type": "mrope" to "default"; the top
+    # level copy is read as it is, and vLLM 0.11 (transformers 4.56) rejects a "type"
+    # that conflicts with "rope_type". The copy carries the modern field only.
+    top["rope_scaling"] = {k: v for k, v in rope.items() if k != "type"}
     return top
 
 
