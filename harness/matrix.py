@@ -339,6 +339,10 @@ def run_release(
             shutil.rmtree(venv_dir(version), ignore_errors=True)
         return rec
     rec["venv_build_s"] = round(time.monotonic() - t0, 1)
+    from harness.venvs import read_marker
+
+    marker = read_marker(venv) or {}
+    rec["python"] = str(marker.get("python") or rec["python"])
     try:
         rec["transformers"] = _dist(venv, "transformers")
         rec["torch"] = _dist(venv, "torch")
