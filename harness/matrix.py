@@ -172,6 +172,7 @@ def _first_log_error(log_path: Path) -> str:
     except OSError:
         return ""
     keys = ("Error", "error:", "RuntimeError", "ValueError", "Exception")
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in lines]
     hits = [ln for ln in lines if any(k in ln for k in keys)]
     return (hits[-1] if hits else (lines[-1] if lines else ""))[-300:]
 
