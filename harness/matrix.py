@@ -154,15 +154,22 @@ def supported_tasks(log_path: Path) -> list[str] | None:
     return re.findall(r"'([^']+)'", m.group(1))
 
 
+ACTIVE_LINE = re.compile(
+    r"vllm-mmcache-fix: .*?\bactive in (?P<name>[A-Za-z][\w.-]*) pid=(?P<pid>\d+)"
+)
+
+
 def active_lines(groups: dict[str, list[str]]) -> dict[str, list[str]]:
-    """The plugin's "... active in <process>" lines, by process, cut to their head."""
+    """The plugin's "... active in <process> pid=N" lines, by the process they name
+    (0.11 colours its process prefixes, so the line's own words are what counts)."""
     out: dict[str, list[str]] = {}
-    for proc, lines in sorted(groups.items()):
-        act = [line.split("vllm-mmcache-fix:", 1)[-1].strip()[:160] for line in lines]
-        act = [a for a in act if ACTIVE_MARK in a]
-        if act:
-            out[proc] = act
-    return out
+    for lines in groups.values():
+        for line in lines:
+            m = ACTIVE_LINE.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+            if m:
+                text = line.split("vllm-mmcache-fix:", 1)[-1].strip()[:160]
+                out.setdefault(m.group("name"), []).append(text)
+    return dict(sorted(out.items()))
 
 
 def _first_log_error(log_path: Path) -> str:
