@@ -406,6 +406,9 @@ def server_env_for(venv: Path) -> dict[str, str]:
 # ----------------------------------------------------------------------------- README table
 
 
+PROCESS_NAMES = {"MainProcess": "API server", "APIServer": "API server"}
+
+
 def _cell_freeze(phase: dict[str, Any]) -> str:
     s = phase.get("summary")
     if not s:
@@ -433,7 +436,9 @@ def render_table(data: dict[str, Any]) -> str:
         withp = rec.get("with_plugin", {})
         ws = without.get("summary", {})
         ps = withp.get("summary", {})
-        procs = sorted(withp.get("incident", {}).get("active_lines", {}))
+        names = withp.get("incident", {}).get("active_lines", {})
+        # The API server logs as MainProcess before vLLM names it APIServer.
+        procs = sorted({PROCESS_NAMES.get(n, n) for n in names})
         status = rec.get("status", "?")
         reasons = rec.get("reasons") or []
         result = status if not reasons else f"{status}: {'; '.join(reasons)}"
