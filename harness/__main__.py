@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "unit-pythons": "harness.pythons",
     "health-rtt": "harness.health",
     "sentinel-cost": "harness.sentinel_cost",
+    "matrix": "harness.matrix",
 }
 
 

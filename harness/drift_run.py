@@ -138,14 +138,18 @@ def run_mixed(
     plugin_path: Path | None = None,
     plugin_off: bool = False,
     extra_args: list[str] | None = None,
+    model: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> DriftRun:
     """One mixed run. ``plugin_path``: a directory holding an unpacked plugin wheel, put
     first on the server's ``PYTHONPATH`` (it shadows whatever the venv has installed);
     ``plugin_off``: start the server with ``MMCACHE_FIX_MODE=off`` (vLLM unpatched);
     ``lock_timeout``: seconds to wait for the server lock (None: as long as it takes);
-    ``lock``: the server lock, when the caller holds it already."""
+    ``lock``: the server lock, when the caller holds it already; ``model``: the model
+    directory (default the tiny model); ``env``: more server environment."""
     venv = Path(venv)
-    model = tiny_models.ensure_model(venv)
+    model = tiny_models.ensure_model(venv, out=model)
+    extra_env = dict(env or {})
     version = venv_vllm_version(venv)
     plugin = plugin_path is not None or venv_dist_version(venv, PLUGIN_DIST) is not None
     plugin = plugin and not plugin_off
@@ -160,7 +164,7 @@ def run_mixed(
         tag = ("plugin-" + (drift_mode or "on")) if plugin else "noplugin"
         log_path = new_log_path(f"drift-{version}-{tag}")
     run.log_path = str(log_path)
-    env: dict[str, str] = {}
+    env = extra_env
     if drift_mode:
         env["MMCACHE_FIX_DRIFT"] = drift_mode
     if plugin_path is not None:

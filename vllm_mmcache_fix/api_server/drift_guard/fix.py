@@ -182,6 +182,11 @@ def find(target: DriftTarget) -> tuple[type | None, str | None]:
         if module is None:
             continue
         cls = getattr(module, candidate.cls, None)
+        if cls is None and _initializing(module):
+            # Still executing (another watched module imported from inside it, as
+            # vllm.v1.engine.async_llm imports vllm.v1.engine.processor on 0.11): the
+            # class comes later, and the end of its import calls back here.
+            continue
         if not isinstance(cls, type) or cls.__module__ != candidate.module:
             reasons.append(f"{candidate.module}: no class {candidate.cls} defined there")
             continue
@@ -191,3 +196,9 @@ def find(target: DriftTarget) -> tuple[type | None, str | None]:
             continue
         return cls, None
     return None, "; ".join(reasons) or None
+
+
+def _initializing(module: ModuleType) -> bool:
+    """The module's import has started and not finished yet."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))

@@ -1,0 +1,81 @@
+"""The release matrix: its README table is what compat/matrix.json renders, and its choices."""
+
+from __future__ import annotations
+
+import re
+
+from harness import matrix
+from harness.paths import REPO_ROOT
+
+
+def test_readme_table_is_what_the_matrix_file_renders() -> None:
+    text = (REPO_ROOT / "README.md").read_text()
+    block = matrix.readme_block(text)
+    assert block is not None, "README has no matrix block"
+    assert block == matrix.render_block(matrix.load()), "run scripts/matrix --readme"
+
+
+def test_every_claimed_release_has_a_row_or_is_listed_unverified() -> None:
+    data = matrix.load()
+    table = matrix.render_table(data)
+    for version in matrix.RELEASES:
+        rec = data["releases"].get(version)
+        if rec is None:
+            assert re.search(rf"unverified\)?:.*\b{re.escape(version)}\b", table), version
+        else:
+            assert rec["status"] in ("pass", "fail", "unverified"), version
+            if rec["status"] != "pass":
+                assert rec["reasons"], f"{version}: {rec['status']} without a reason"
+
+
+def test_records_name_the_vllm_release_and_plugin_commit() -> None:
+    for version, rec in matrix.load()["releases"].items():
+        assert rec["vllm"] == version
+        assert re.fullmatch(r"[0-9a-f]{40}", rec["plugin_commit"]), version
+        if rec.get("with_plugin", {}).get("incident", {}).get("started"):
+            tasks = rec["with_plugin"]["incident"]["supported_tasks"]
+            assert tasks is not None and matrix.GENERATIVE_TASK in tasks, (version, tasks)
+
+
+def test_default_releases_cover_every_minor_series_once_newest_patch() -> None:
+    minors = [tuple(matrix.version_key(v)[:2]) for v in matrix.RELEASES]
+    assert sorted(set(minors)) == [(0, m) for m in range(10, 33)]
+    assert list(matrix.RELEASES) == sorted(matrix.RELEASES, key=matrix.version_key)
+
+
+def test_rotation_is_stable_for_a_commit_and_skips_the_shared_releases() -> None:
+    a = matrix.rotating(2, "0" * 40)
+    assert a == matrix.rotating(2, "0" * 40)
+    assert len(set(a)) == 2
+    assert not set(a) & set(matrix.SHARED_VENVS)
+    picks = {tuple(matrix.rotating(2, f"{i:040x}")) for i in range(50)}
+    assert len(picks) > 5
+
+
+def test_a_release_with_a_timeout_with_the_plugin_fails() -> None:
+    phase = {
+        "incident": {
+            "started": True,
+            "hung": True,
+            "timeouts": 1,
+            "server_errors": 0,
+            "supported_tasks": ["generate"],
+            "active_lines": {"APIServer": ["x"]},
+        }
+    }
+    phase["summary"] = matrix._with_plugin_summary(phase)
+    status, reasons = matrix.evaluate({"with_plugin": phase})
+    assert status == "fail" and reasons
+
+
+def test_a_pooling_model_is_not_a_pass() -> None:
+    phase = {
+        "incident": {
+            "started": True,
+            "supported_tasks": ["token_embed", "embed"],
+            "active_lines": {"APIServer": ["x"]},
+        }
+    }
+    phase["summary"] = matrix._with_plugin_summary(phase)
+    status, _ = matrix.evaluate({"with_plugin": phase})
+    assert status != "pass"
