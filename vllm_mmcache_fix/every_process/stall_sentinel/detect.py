@@ -16,11 +16,12 @@ MIN_CPU_FRACTION = 0.8
 """A stalled thread uses at least this much of one core between two samples..."""
 MIN_RUNNABLE_FRACTION = 0.9
 """...or is on a CPU or waiting for one this much of the time (a busy machine)."""
-MAX_VOLUNTARY_PER_SEC = 20.0
+MAX_VOLUNTARY_PER_SEC = 60.0
 """...and gives up the CPU of its own accord at most this often. A thread that blocks
-on I/O or a lock even every 50 ms exceeds it; a spinning thread shows a few, because
+on I/O or a lock every 10 ms exceeds it; a spinning Python thread shows some, because
 each ``/proc`` read of the sentinel hands the GIL back and forth (measured: 0-16 a
-second next to the sampler, none without it)."""
+second next to the sampler in a frozen EngineCore, 23-31 next to a sampling main
+thread in a small process)."""
 MAX_DEPTH_ABOVE_ANCHOR = 4
 MAX_MISSES = 1
 """Consecutive starved intervals a stall survives (the thread stays in place, but another
