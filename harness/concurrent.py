@@ -12,8 +12,9 @@ processor cache, two images per prompt allowed). Request kinds:
 * ``pair``: two images, one from the pool (often a recent ``long`` one), one new or
   pooled;
 * ``n2``: a pooled image with ``n=2`` (the plugin's recovery is skipped for n > 1);
-* ``video``: one video item, only when :mod:`harness.payloads` has a ``video_part``
-  helper (``video_part(index) -> content part``) and the model takes video.
+* ``video``: one video item (a few clips, reused), only when :mod:`harness.payloads`
+  makes video items (``media_part("video", index)``) and the tiny model serves video
+  (``tiny_models.supports_video``).
 
 The ``mixed`` plan has all of them; the ``clean`` plan only ``new`` and ``reuse``
 (nothing is rejected, so both servers do the same work). Every request has its own
@@ -103,19 +104,28 @@ class Planned:
         return 400 if self.kind == "long" else 200
 
 
-def video_helper() -> Callable[[int], dict[str, object]] | None:
-    """The payload helper for a video item, when the harness has one."""
-    helper = getattr(payloads, "video_part", None)
-    return helper if callable(helper) else None
+def video_helper(model: str = tiny_models.DEFAULT) -> Callable[[int], dict[str, object]] | None:
+    """``index -> content part`` of a video item, when the harness makes video payloads
+    (``payloads.media_part``) and the tiny model serves video (``tiny_models.supports_video``)."""
+    part = getattr(payloads, "media_part", None)
+    supports = getattr(tiny_models, "supports_video", None)
+    if not callable(part) or not callable(supports) or not supports(model):
+        return None
+    return lambda index: part("video", index)  # type: ignore[no-any-return]
 
 
 def plan_requests(
-    n: int, seed: int, plan: str = "mixed", *, video: bool | None = None
+    n: int,
+    seed: int,
+    plan: str = "mixed",
+    *,
+    video: bool | None = None,
+    model: str = tiny_models.DEFAULT,
 ) -> list[Planned]:
     """The seeded plan; the same ``(n, seed, plan, video)`` always gives the same requests."""
     weights = dict(PLANS[plan])
     if video is None:
-        video = video_helper() is not None
+        video = video_helper(model) is not None
     if not video:
         weights.pop("video", None)
     kinds, probs = list(weights), list(weights.values())
@@ -158,11 +168,15 @@ def plan_requests(
     return out
 
 
-def build_payload(item: Planned, short: str, long_text: str) -> dict[str, object]:
+def build_payload(
+    item: Planned, short: str, long_text: str, model: str = tiny_models.DEFAULT
+) -> dict[str, object]:
     text = long_text if item.kind == "long" else short
     if item.kind == "video":
-        helper = video_helper()
+        helper = video_helper(model)
         assert helper is not None
+        short_text = getattr(payloads, "short_text", None)
+        text = short_text("video") if callable(short_text) else short
         body = payloads.images_payload(text, [], max_tokens=2)
         content = body["messages"][0]["content"]  # type: ignore[index]
         content.insert(0, helper(item.images[0]))
@@ -306,7 +320,7 @@ def run_concurrent(
     if log_path is None:
         log_path = new_log_path(f"concurrent-{version}-{plan_name}-K{clients}-{label}")
     result.log_path = str(log_path)
-    plan = plan_requests(requests, seed, plan_name, video=video)
+    plan = plan_requests(requests, seed, plan_name, video=video, model=model_name)
     result.n2_requests = sum(1 for p in plan if p.n > 1)
     result.video_requests = sum(1 for p in plan if p.kind == "video")
     env = {} if plugin else plugin_disabled_env(venv)
@@ -396,7 +410,7 @@ def run_concurrent(
                         return
                     item = plan[state["next"]]
                     state["next"] += 1
-                body = build_payload(item, payloads.SHORT_TEXT, long_text)
+                body = build_payload(item, payloads.SHORT_TEXT, long_text, model_name)
                 started_at = time.monotonic()
                 res = http_post(url, body, request_timeout)
                 finished(item, res, started_at)

@@ -84,3 +84,24 @@ def test_json_lines_keep_finished_runs_for_resume(tmp_path) -> None:
     record.write({"type": "run_end", "key": "a", "result": {"sent": 1}})
     record.write({"type": "run_start", "key": "b"})
     assert record.summaries() == {"a": {"sent": 1}}
+
+
+def test_video_items_use_the_harness_video_helper(monkeypatch) -> None:
+    from harness import payloads, tiny_models
+
+    monkeypatch.setattr(
+        payloads,
+        "media_part",
+        lambda modality, index: {"type": f"{modality}_url", "i": index},
+        raising=False,
+    )
+    monkeypatch.setattr(tiny_models, "supports_video", lambda name: True, raising=False)
+    plan = concurrent.plan_requests(400, 7)
+    video = [p for p in plan if p.kind == "video"]
+    assert video
+    body = concurrent.build_payload(video[0], "short", "long")
+    content = body["messages"][0]["content"]
+    assert content[0] == {"type": "video_url", "i": video[0].images[0]}
+    monkeypatch.setattr(tiny_models, "supports_video", lambda name: False, raising=False)
+    assert concurrent.video_helper() is None
+    assert not any(p.kind == "video" for p in concurrent.plan_requests(400, 7))
