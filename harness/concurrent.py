@@ -543,7 +543,8 @@ def format_details(d: dict[str, Any], soak_criteria: bool) -> str:
     lines.append(
         f"  startup {d.get('startup_s')} s  load {d.get('load_seconds')} s  "
         f"long words {d.get('long_prompt_words')}  n2={d.get('n2_requests')} "
-        f"video={d.get('video_requests')} warm-up={d.get('warmup_requests')}  other non-200 valid={d.get('valid_other_non_200')} "
+        f"video={d.get('video_requests')} warm-up={d.get('warmup_requests')}  "
+        f"other non-200 valid={d.get('valid_other_non_200')} "
         f"long not 400={d.get('long_not_400')} no answer={d.get('connection_errors')}"
     )
     growth = d.get("rss_growth_percent") or {}
