@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "demo": "harness.demo",
     "drift-run": "harness.drift_run",
     "soak": "harness.soak",
+    "concurrent": "harness.concurrent",
+    "bench-concurrent": "harness.bench.concurrent",
     "bench-cache": "harness.bench.cache",
     "bench-cache-value": "harness.bench.cache_value",
     "drift-bench": "harness.bench.drift",
