@@ -1,8 +1,11 @@
 """What the harness sends: PNG images, short videos, chat payloads, prompts of a chosen length.
 
-A video is sent the one way every installed vLLM release decodes without a video
-library (no OpenCV, PyAV or torchcodec in the venvs) and without network: a
-``video_url`` whose URL is ``data:video/jpeg;base64,<frame>,<frame>,...``. vLLM splits
+A video is sent in the form every installed vLLM release (0.23.0, 0.27.1, 0.32.0)
+decodes without a video decoder and without network, and that the harness can make
+with the standard library alone: a ``video_url`` whose URL is
+``data:video/jpeg;base64,<frame>,<frame>,...``. (The venvs do carry
+opencv-python-headless, which vLLM's default video backend would use for an mp4, but
+the harness process has no encoder.) vLLM splits
 that on commas and opens each frame with its image loader (PIL, which reads the PNG
 frames made here whatever the media type says), then gives the frames to the model's
 video processor with ``fps`` 1. ``--limit-mm-per-prompt`` must allow ``"video"``
