@@ -24,11 +24,13 @@ Selection (environment):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness import incident, tiny_models
+from harness.lock import ServerLock
 from harness.venvs import e2e_versions, set_plugin
 
 MODELS = ["qwen2.5-vl", "qwen3-vl", "qwen2-vl"]
@@ -82,6 +84,17 @@ def _cases(with_plugin: bool) -> list[tuple[str, str, str]]:
     return sorted(cases)
 
 
+@pytest.fixture(scope="module")
+def server_lock() -> Iterator[ServerLock]:
+    """The server lock, held across this file's servers and plugin installs.
+
+    Taken once, so the cases run back to back and a venv's plugin is changed only
+    while no other server can be serving from it.
+    """
+    with ServerLock().hold(purpose="Qwen-VL family incident replays") as lock:
+        yield lock
+
+
 def _ids(cases: list[tuple[str, str, str]]) -> list[str]:
     return ["-".join(c) for c in cases]
 
@@ -124,11 +137,18 @@ def _common(result: incident.RunResult) -> None:
 
 @pytest.mark.parametrize(("version", "model", "modality"), _cases(True), ids=_ids(_cases(True)))
 def test_family_incident_with_plugin(
-    version: str, model: str, modality: str, plugin_wheel: Path, vllm_venv
+    version: str,
+    model: str,
+    modality: str,
+    plugin_wheel: Path,
+    vllm_venv,
+    server_lock: ServerLock,
 ) -> None:
     venv = vllm_venv(version)
     set_plugin(venv, plugin_wheel)
-    result = incident.run_incident(venv, model_name=model, modality=modality, n_images=N_ITEMS)
+    result = incident.run_incident(
+        venv, model_name=model, modality=modality, n_images=N_ITEMS, lock=server_lock
+    )
     print(_report(result))
     print(_figures(result))
     _common(result)
@@ -146,10 +166,17 @@ def test_family_incident_with_plugin(
 
 
 @pytest.mark.parametrize(("version", "model", "modality"), _cases(False), ids=_ids(_cases(False)))
-def test_family_incident_without_plugin(version: str, model: str, modality: str, vllm_venv) -> None:
+def test_family_incident_without_plugin(
+    version: str, model: str, modality: str, vllm_venv, server_lock: ServerLock
+) -> None:
     venv = vllm_venv(version)
     result = incident.run_incident(
-        venv, model_name=model, modality=modality, n_images=N_ITEMS, disable_plugin=True
+        venv,
+        model_name=model,
+        modality=modality,
+        n_images=N_ITEMS,
+        disable_plugin=True,
+        lock=server_lock,
     )
     print(_report(result))
     print(_figures(result))
