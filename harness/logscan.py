@@ -44,6 +44,22 @@ def _lines(log_path: Path, upto: int | None = None) -> list[str]:
     return data.decode(errors="replace").splitlines()
 
 
+_SUPPORTED_TASKS = re.compile(r"Supported tasks: \[(?P<tasks>[^\]]*)\]")
+
+
+def supported_tasks(log_path: Path) -> list[str] | None:
+    """The tasks vLLM said it serves (``Supported tasks: ['generate']``); None if unsaid.
+
+    A model whose config vLLM does not read as a generative model is served for pooling:
+    every request then fails or returns without generating, so callers check this.
+    """
+    for line in _lines(log_path):
+        m = _SUPPORTED_TASKS.search(line)
+        if m:
+            return [t.strip().strip("'\"") for t in m.group("tasks").split(",") if t.strip()]
+    return None
+
+
 def log_markers(log_path: Path, upto: int | None = None) -> dict[str, int]:
     """How many log lines carry each known incident marker (first ``upto`` bytes only)."""
     lines = _lines(log_path, upto)

@@ -1,4 +1,16 @@
-"""What the harness sends: PNG images, chat payloads, prompts of a chosen token length."""
+"""What the harness sends: PNG images, short videos, chat payloads, prompts of a chosen length.
+
+A video is sent in the form every installed vLLM release (0.23.0, 0.27.1, 0.32.0)
+decodes without a video decoder and without network, and that the harness can make
+with the standard library alone: a ``video_url`` whose URL is
+``data:video/jpeg;base64,<frame>,<frame>,...``. (The venvs do carry
+opencv-python-headless, which vLLM's default video backend would use for an mp4, but
+the harness process has no encoder.) vLLM splits
+that on commas and opens each frame with its image loader (PIL, which reads the PNG
+frames made here whatever the media type says), then gives the frames to the model's
+video processor with ``fps`` 1. ``--limit-mm-per-prompt`` must allow ``"video"``
+(:data:`VIDEO_LIMIT_ARGS`).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +25,12 @@ from harness.server import MAX_MODEL_LEN, SERVED_NAME
 
 IMAGE_SIDE = 112  # 112 x 112 -> 8 x 8 patches -> 16 image tokens after 2 x 2 merge
 SHORT_TEXT = "Describe the image."
+SHORT_VIDEO_TEXT = "Describe the video."
+VIDEO_FRAMES = 4  # two temporal patches of two frames each
+MODALITIES = ("image", "video")
+# Server arguments that let a request carry one image and one video (the JSON form is
+# read the same way by 0.23.0, 0.27.1 and 0.32.0; later arguments override earlier ones).
+VIDEO_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1})]
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -49,6 +67,50 @@ def make_png(index: int, side: int = IMAGE_SIDE) -> bytes:
 def image_part(png: bytes) -> dict[str, object]:
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def make_video(index: int, frames: int = VIDEO_FRAMES, side: int = IMAGE_SIDE) -> list[bytes]:
+    """``frames`` PNG frames; two videos of different ``index`` share no frame.
+
+    Frame ``k`` of video ``index`` is :func:`make_png` of an index no image request
+    uses (from 100000 up), so video items never collide with image items either.
+    """
+    return [make_png(100000 + index * frames + k, side) for k in range(frames)]
+
+
+def video_part(frames: list[bytes]) -> dict[str, object]:
+    """A ``video_url`` item carrying the frames in a ``data:video/jpeg`` URL."""
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def media_part(modality: str, index: int) -> dict[str, object]:
+    """Item ``index`` of ``modality``: :func:`make_png` or :func:`make_video` of it."""
+    if modality == "image":
+        return image_part(make_png(index))
+    if modality == "video":
+        return video_part(make_video(index))
+    raise ValueError(f"unknown modality {modality!r}; known: {MODALITIES}")
+
+
+def short_text(modality: str) -> str:
+    return SHORT_VIDEO_TEXT if modality == "video" else SHORT_TEXT
+
+
+def media_payload(
+    text: str, modality: str, index: int | None, max_tokens: int = 1
+) -> dict[str, object]:
+    """A chat request with item ``index`` of ``modality`` (none when None), then the text."""
+    content: list[dict[str, object]] = []
+    if index is not None:
+        content.append(media_part(modality, index))
+    content.append({"type": "text", "text": text})
+    return {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
 
 
 def words_text(n: int, model: str = tiny_models.DEFAULT) -> str:

@@ -23,7 +23,34 @@ from types import ModuleType
 from harness.paths import REPO_ROOT
 
 DEFAULT = "qwen2-vl"
-MODELS: dict[str, str] = {"qwen2-vl": "harness.tiny_models.qwen2_vl"}
+MODELS: dict[str, str] = {
+    "qwen2-vl": "harness.tiny_models.qwen2_vl",
+    "qwen2.5-vl": "harness.tiny_models.qwen2_5_vl",
+    "qwen3-vl": "harness.tiny_models.qwen3_vl",
+}
+# Models whose tiny directory serves video requests too (``video_url`` items).
+VIDEO_MODELS: frozenset[str] = frozenset(MODELS)
+# The oldest vLLM release that serves each model (Qwen3-VL came with 0.11).
+MIN_VLLM: dict[str, tuple[int, ...]] = {"qwen2-vl": (0,), "qwen2.5-vl": (0,), "qwen3-vl": (0, 11)}
+
+
+def names() -> list[str]:
+    """The known model names, the default first."""
+    return [DEFAULT] + sorted(n for n in MODELS if n != DEFAULT)
+
+
+def supports_video(name: str) -> bool:
+    return name in VIDEO_MODELS
+
+
+def supports_version(name: str, vllm_version: str) -> bool:
+    """Whether vLLM ``vllm_version`` (e.g. ``"0.23.0"``) serves model ``name``."""
+    model_module(name)
+    parts = []
+    for piece in vllm_version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts) >= MIN_VLLM[name]
 
 
 def model_module(name: str = DEFAULT) -> ModuleType:

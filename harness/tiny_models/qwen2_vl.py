@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.paths import cache_root
@@ -101,7 +102,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out: Path) -> dict[str, int]:
+def build_tokenizer(out: Path, chat_template: str = CHAT_TEMPLATE) -> dict[str, int]:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -151,7 +152,7 @@ def build_tokenizer(out: Path) -> dict[str, int]:
         "split_special_tokens": False,
         "added_tokens_decoder": added,
         "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     _write_json(
@@ -315,6 +316,22 @@ def check(out: Path) -> dict[str, object]:
 
 def build(out: Path | None = None, *, force: bool = False) -> Path:
     out = Path(out) if out is not None else default_out()
+    return build_dir(out, model_config, processor_configs, force=force)
+
+
+def build_dir(
+    out: Path,
+    config_of: Callable[[dict[str, int]], dict[str, object]],
+    processors: Callable[[], dict[str, dict[str, object]]],
+    *,
+    chat_template: str = CHAT_TEMPLATE,
+    force: bool = False,
+) -> Path:
+    """Write a model directory: this tokenizer, ``config_of(special ids)``, ``processors()``.
+
+    The sibling model modules (Qwen2.5-VL, Qwen3-VL) share the tokenizer and the chat
+    template and differ in their config and processor files.
+    """
     if not force and is_complete(out):
         return out
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
@@ -322,10 +339,10 @@ def build(out: Path | None = None, *, force: bool = False) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    ids = build_tokenizer(tmp)
-    (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
-    _write_json(tmp / "config.json", model_config(ids))
-    for name, data in processor_configs().items():
+    ids = build_tokenizer(tmp, chat_template)
+    (tmp / "chat_template.jinja").write_text(chat_template + "\n")
+    _write_json(tmp / "config.json", config_of(ids))
+    for name, data in processors().items():
         _write_json(tmp / name, data)
     _write_json(
         tmp / "generation_config.json",
