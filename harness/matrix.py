@@ -483,9 +483,19 @@ def rewrite_readme(data: dict[str, Any], path: Path = README) -> bool:
 # ----------------------------------------------------------------------------- main
 
 
-def rotating(n: int, commit: str) -> list[str]:
-    """``n`` releases chosen from the commit hash, none of the shared three."""
-    pool = [v for v in RELEASES if v not in SHARED_VENVS]
+def rotating(n: int, commit: str, data: dict | None = None) -> list[str]:
+    """``n`` releases chosen from the commit hash, none of the shared three.
+
+    Only releases with a passing row in ``compat/matrix.json`` rotate through CI: CI
+    re-checks what the full matrix has shown, it does not run a release for the first
+    time (that is ``scripts/matrix``'s job, on this machine, with its results committed).
+    """
+    rows = (data or {}).get("releases", {})
+    pool = [
+        v for v in RELEASES if v not in SHARED_VENVS and rows.get(v, {}).get("status") == "pass"
+    ]
+    if not pool:
+        return []
     seed = int(hashlib.sha256(commit.encode()).hexdigest(), 16)
     chosen: list[str] = []
     while len(chosen) < min(n, len(pool)):
@@ -539,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         todo = list(args.only)
     elif args.rotate:
-        todo = rotating(args.rotate, commit)
+        todo = rotating(args.rotate, commit, data)
     else:
         todo = [
             v
