@@ -61,7 +61,7 @@ VLLM_VERSIONS: tuple[str, ...] = (
     "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
 )  # fmt: skip
 
-CACHETOOLS_VERSIONS: tuple[str, ...] = ("5.5.2", "6.2.0", "8.0.2")
+CACHETOOLS_VERSIONS: tuple[str, ...] = ("5.5.2", "6.2.0", "7.3.3", "8.0.2")
 
 MARKER = "COMPLETE"
 MAX_JOBS = 2
