@@ -22,7 +22,14 @@ class Client:
         self.core_engines = [f"e{i}".encode() for i in range(engines)]
         self.client_index = client_index
         self.calls: list[tuple[str, Any]] = []
-        self.release = asyncio.Event()
+        self._release: asyncio.Event | None = None
+
+    @property
+    def release(self) -> asyncio.Event:
+        # Made inside the running loop: on Python 3.9 an Event binds to a loop when built.
+        if self._release is None:
+            self._release = asyncio.Event()
+        return self._release
 
     async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:
         self.calls.append((method, engine))

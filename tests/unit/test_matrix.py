@@ -43,13 +43,18 @@ def test_default_releases_cover_every_minor_series_once_newest_patch() -> None:
     assert list(matrix.RELEASES) == sorted(matrix.RELEASES, key=matrix.version_key)
 
 
-def test_rotation_is_stable_for_a_commit_and_skips_the_shared_releases() -> None:
-    a = matrix.rotating(2, "0" * 40)
-    assert a == matrix.rotating(2, "0" * 40)
+def test_rotation_is_stable_for_a_commit_and_takes_only_passing_releases() -> None:
+    passing = [v for v in matrix.RELEASES if v not in matrix.SHARED_VENVS][:6]
+    data = {"releases": {v: {"status": "pass"} for v in passing}}
+    data["releases"][matrix.SHARED_VENVS[0]] = {"status": "pass"}
+    data["releases"]["0.10.2"] = {"status": "fail"}
+    a = matrix.rotating(2, "0" * 40, data)
+    assert a == matrix.rotating(2, "0" * 40, data)
     assert len(set(a)) == 2
-    assert not set(a) & set(matrix.SHARED_VENVS)
-    picks = {tuple(matrix.rotating(2, f"{i:040x}")) for i in range(50)}
+    assert set(a) <= set(passing)
+    picks = {tuple(matrix.rotating(2, f"{i:040x}", data)) for i in range(50)}
     assert len(picks) > 5
+    assert matrix.rotating(2, "0" * 40, {"releases": {}}) == []
 
 
 def test_a_release_with_a_timeout_with_the_plugin_fails() -> None:
