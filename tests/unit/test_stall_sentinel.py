@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -285,3 +286,45 @@ def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -
     active = [line for line in err.splitlines() if STALL_SENTINEL_ACTIVE in line]
     assert len(active) == 2, err  # the parent and the EngineCore child, not the worker
     assert status["stalls"] == 0  # the parent saw none of its own
+
+
+def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
+    """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
+    from vllm_mmcache_fix.core.procfs import ThreadCounters
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS, Detector
+
+    stop = threading.Event()
+
+    def stay_here() -> None:
+        while not stop.is_set():
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=stay_here, name="stays")
+    thread.start()
+    try:
+        now = [0.0]
+        busy_plan = [True] * 4 + [False] + [True] * 6
+        ticks = [0]
+
+        def counters(native_id: int) -> ThreadCounters:
+            if native_id == thread.native_id:
+                return ThreadCounters(ticks[0], 0, 0, None)
+            return ThreadCounters(0, 0, 0, None)
+
+        stalls: list = []
+        detector = Detector(
+            threshold_s=2.0,
+            on_stall=stalls.append,
+            read_counters=counters,
+            clock=lambda: now[0],
+            ignore_idents={threading.get_ident()},
+        )
+        detector.sample()
+        for busy in busy_plan:
+            now[0] += 1.0
+            ticks[0] += int(CLOCK_TICKS) if busy else 0
+            detector.sample()
+        assert [s.thread_name for s in stalls] == ["stays"]
+    finally:
+        stop.set()
+        thread.join()

@@ -156,7 +156,13 @@ class Detector:
         common = _common_prefix(track.anchor, stack)
         in_place = common > 0 and len(stack) - common <= MAX_DEPTH_ABOVE_ANCHOR
         track.counters, track.at = counters, now
-        if in_place and not busy and track.misses < MAX_MISSES and not track.reported:
+        if track.reported:
+            # Reported once: the stall lasts until the call it was found in returns, however
+            # busy the thread looks from one interval to the next (one WARNING per stall).
+            if common == len(track.anchor):
+                return
+            in_place = False
+        if in_place and not busy and track.misses < MAX_MISSES:
             # One starved interval (the machine's other work took the core) does not end a
             # stall; the totals below still have to show a busy thread.
             track.misses += 1
