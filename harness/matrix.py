@@ -11,6 +11,7 @@ Usage::
 
     scripts/matrix                       every default release not yet recorded for this code
     scripts/matrix --only 0.15.1         rerun one release (repeatable)
+    scripts/matrix --missing             only releases with no full record for any commit
     scripts/matrix --budget-minutes 50   start no release after the budget is spent
     scripts/matrix --readme              rewrite the README table from compat/matrix.json
     scripts/matrix --rotate 2 --quick --no-record   CI: two releases chosen by the commit
@@ -508,6 +509,15 @@ def rotating(n: int, commit: str, data: dict | None = None) -> list[str]:
     return chosen
 
 
+def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = False) -> bool:
+    """Whether a release's record (None: none yet) calls for a run."""
+    if not rec or rec.get("quick") or rec.get("status") not in ("pass", "fail", "unverified"):
+        return True
+    if missing_only:
+        return False
+    return rec.get("plugin_commit") != commit
+
+
 def ordered(releases: list[str]) -> list[str]:
     first = [v for v in PRIORITY if v in releases]
     return first + [v for v in releases if v not in first]
@@ -526,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         help="expected minutes per release (no release starts unless this fits the budget)",
     )
     ap.add_argument("--drift-requests", type=int, default=60)
+    ap.add_argument(
+        "--missing",
+        action="store_true",
+        help="run only releases without a full record (for any plugin commit): resume a "
+        "matrix across commits of the plugin",
+    )
     ap.add_argument("--quick", action="store_true", help="incident replay only")
     ap.add_argument("--rotate", type=int, default=0, help="N releases chosen by the commit")
     ap.add_argument("--no-record", action="store_true", help="do not write compat/matrix.json")
@@ -554,8 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [
             v
             for v in ordered(list(args.releases or RELEASES))
-            if data["releases"].get(v, {}).get("plugin_commit") != commit
-            or data["releases"].get(v, {}).get("quick")
+            if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
         ]
     _log(f"plugin commit {commit[:12]}; releases to run: {' '.join(todo) or 'none'}")
     # Its own copy of the tiny model, built by this checkout's builder (the shared copy

@@ -84,3 +84,13 @@ def test_a_pooling_model_is_not_a_pass() -> None:
     phase["summary"] = matrix._with_plugin_summary(phase)
     status, _ = matrix.evaluate({"with_plugin": phase})
     assert status != "pass"
+
+
+def test_which_releases_run_again() -> None:
+    full = {"plugin_commit": "a" * 40, "status": "pass", "quick": False}
+    assert matrix.needs_run(None, "a" * 40)
+    assert not matrix.needs_run(full, "a" * 40)
+    assert matrix.needs_run(full, "b" * 40)  # recorded for older plugin code
+    assert not matrix.needs_run(full, "b" * 40, missing_only=True)
+    assert matrix.needs_run({**full, "quick": True}, "a" * 40, missing_only=True)
+    assert matrix.needs_run({"plugin_commit": "a" * 40}, "a" * 40, missing_only=True)
