@@ -254,6 +254,13 @@ class ServerLock:
         procs.kill_group(pgid)
 
 
+def held_here(path: str | os.PathLike[str] | None = None) -> bool:
+    """Whether this process holds the server lock (``path``: the default lock file)."""
+    key = str((Path(path) if path is not None else lock_path()).resolve())
+    with _held_guard:
+        return key in _held
+
+
 def hold(timeout: float | None = None, *, purpose: str = "") -> contextlib.AbstractContextManager:
     """``with lock.hold(): ...`` on the default lock file."""
     return ServerLock().hold(timeout, purpose=purpose)

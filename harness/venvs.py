@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import email.parser
 import hashlib
 import json
@@ -474,11 +475,20 @@ def uninstall_plugin(venv: Path) -> None:
 
 
 def set_plugin(venv: Path, wheel: Path | None) -> None:
-    """Install the plugin wheel (``wheel``) or remove the plugin (``None``)."""
-    if wheel is None:
-        uninstall_plugin(venv)
-    else:
-        install_plugin(venv, wheel)
+    """Install the plugin wheel (``wheel``) or remove the plugin (``None``).
+
+    A server running from this venv would import a half-installed package, so the swap
+    happens under the server lock: the caller's, or taken here for the swap alone.
+    """
+    from harness import lock
+
+    with contextlib.ExitStack() as stack:
+        if not lock.held_here():
+            stack.enter_context(lock.ServerLock().hold(purpose=f"plugin swap in {venv.name}"))
+        if wheel is None:
+            uninstall_plugin(venv)
+        else:
+            install_plugin(venv, wheel)
 
 
 def check_report(

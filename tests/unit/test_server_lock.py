@@ -204,3 +204,42 @@ def test_a_held_lock_is_kept_across_servers(lock_file: Path, tmp_path: Path) -> 
             assert lock.held
             assert json.loads(lock_file.read_text())["server_pgid"] is None
     ServerLock().acquire(0).release()
+
+
+def test_a_plugin_swap_waits_for_the_server_lock(
+    lock_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapping the wheel under a running server would break it: the swap takes the lock."""
+    from harness import lock as lock_mod
+    from harness import venvs
+
+    swaps: list[tuple[float, bool]] = []
+    monkeypatch.setattr(
+        venvs, "uninstall_plugin", lambda venv: swaps.append((time.time(), lock_mod.held_here()))
+    )
+    holder = _python(HOLDER)
+    try:
+        assert read_line(holder) == "held"
+        released_at: list[float] = []
+
+        def release_soon() -> None:
+            time.sleep(1.0)
+            released_at.append(time.time())
+            assert holder.stdin is not None
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+
+        import threading
+
+        t = threading.Thread(target=release_soon)
+        t.start()
+        venvs.set_plugin(tmp_path, None)
+        t.join()
+        assert swaps and swaps[0][1] is True  # it held the lock during the swap
+        assert swaps[0][0] >= released_at[0] - 0.05, (swaps, released_at)
+    finally:
+        _finish(holder)
+    # Inside a held lock the swap does not wait for itself.
+    with ServerLock().hold():
+        venvs.set_plugin(tmp_path, None)
+    assert len(swaps) == 2 and swaps[1][1] is True
