@@ -30,6 +30,9 @@ TOTAL_SLACK = 0.75
 """Over the whole stall, the thread must still show this share of the per-interval bar."""
 """The innermost frame may be at most this many calls above the frame that has not
 returned since the stall began (the loop calls small helpers: ``popitem``)."""
+REPORT_LOOKS = 20
+REPORT_LOOK_GAP_S = 0.002
+"""Looks at a stalled thread when reporting it (see :meth:`Detector._deepest`)."""
 MAX_STACK_FRAMES = 40
 """Frames written in a report (innermost first); deeper ones are summarised."""
 
@@ -195,6 +198,7 @@ class Detector:
             return
         track.reported = True
         self.stalls += 1
+        frame = self._deepest(ident, frame, track.anchor)
         lines, total = stack_lines(frame)
         anchor_at = total - len(track.anchor)  # innermost-first index of the anchor frame
         anchor = lines[anchor_at].function if 0 <= anchor_at < len(lines) else "?"
@@ -214,6 +218,24 @@ class Detector:
                 anchor_function=anchor,
             )
         )
+
+    def _deepest(self, ident: int, frame: FrameType, anchor: list[FrameKey]) -> FrameType:
+        """The deepest of a few quick looks at the stalled thread, still inside ``anchor``.
+
+        One sample can catch the loop between two calls (in ``Cache.__setitem__`` rather than
+        in the ``popitem`` it keeps calling); the report should show the innermost code. At
+        most :data:`REPORT_LOOKS` looks, :data:`REPORT_LOOK_GAP_S` apart, once per stall.
+        """
+        best, best_depth = frame, len(_keys(frame))
+        for _ in range(REPORT_LOOKS):
+            time.sleep(REPORT_LOOK_GAP_S)
+            now = sys._current_frames().get(ident)
+            if now is None:
+                break
+            keys = _keys(now)
+            if _common_prefix(anchor, keys) == len(anchor) and len(keys) > best_depth:
+                best, best_depth = now, len(keys)
+        return best
 
 
 def _keys(frame: FrameType | None) -> list[FrameKey]:
