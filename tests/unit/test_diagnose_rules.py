@@ -166,6 +166,8 @@ def test_spin_rule() -> None:
     assert thread_is_spinning(1.0, None, 0, 2.0)
     assert thread_is_spinning(0.2, 0.98, 2, 2.0)  # starved on a loaded machine
     assert not thread_is_spinning(1.0, 1.0, 50, 2.0)  # blocks often: working, not spinning
+    # 2 a second: the plugin's own sentinel sampling a frozen EngineCore (0.23.0, measured).
+    assert thread_is_spinning(1.0, 1.0, 8, 4.0)
     assert not thread_is_spinning(0.3, 0.5, 0, 2.0)
     assert not thread_is_spinning(0.3, None, 0, 2.0)
 

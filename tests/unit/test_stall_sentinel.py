@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -321,6 +322,7 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
         )
         detector.sample()
         for busy in busy_plan:
+            time.sleep(0.05)  # the thread's short waits end and begin again between samples
             now[0] += 1.0
             ticks[0] += int(CLOCK_TICKS) if busy else 0
             detector.sample()

@@ -81,6 +81,9 @@ class Stall:
 class _Track:
     native_id: int
     anchor: list[FrameKey]
+    held: list[FrameType]
+    """The anchor's frames themselves: while they are referenced here, no new call can
+    reuse their ids, so a matching key is the same call (not a new one at the same address)."""
     counters: ThreadCounters
     at: float
     since: float
@@ -138,10 +141,11 @@ class Detector:
         counters: ThreadCounters,
         now: float,
     ) -> None:
-        stack = _keys(frame)
+        frames = _frames(frame)
+        stack = [_key(f) for f in frames]
         track = self.tracks.get(ident)
         if track is None or track.native_id != thread.native_id:
-            self.tracks[ident] = _Track(thread.native_id or 0, stack, counters, now, now)
+            self.tracks[ident] = _Track(thread.native_id or 0, stack, frames, counters, now, now)
             return
         elapsed = now - track.at
         if elapsed <= 0:
@@ -173,13 +177,14 @@ class Detector:
         elif busy:
             track.misses = 0
         if not (busy and in_place):
-            track.anchor, track.since = stack, now
+            track.anchor, track.held, track.since = stack, frames, now
             track.cpu_s, track.runnable_s = 0.0, 0.0
             track.voluntary = track.involuntary = 0
             track.reported = False
             track.misses = 0
             return
         del track.anchor[common:]
+        del track.held[common:]
         track.cpu_s += cpu_s
         if runnable_s is None or track.runnable_s is None:
             track.runnable_s = None
@@ -238,14 +243,23 @@ class Detector:
         return best
 
 
+def _frames(frame: FrameType | None) -> list[FrameType]:
+    """Outermost first."""
+    frames: list[FrameType] = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()
+    return frames
+
+
+def _key(frame: FrameType) -> FrameKey:
+    return (id(frame), id(frame.f_code))
+
+
 def _keys(frame: FrameType | None) -> list[FrameKey]:
     """Outermost first."""
-    keys: list[FrameKey] = []
-    while frame is not None:
-        keys.append((id(frame), id(frame.f_code)))
-        frame = frame.f_back
-    keys.reverse()
-    return keys
+    return [_key(f) for f in _frames(frame)]
 
 
 def _common_prefix(a: list[FrameKey], b: list[FrameKey]) -> int:

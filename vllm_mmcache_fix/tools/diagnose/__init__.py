@@ -14,11 +14,12 @@ builds the text for humans and :meth:`Diagnosis.as_dict` the data for ``--json``
 Rules (thresholds are the module constants below):
 
 * A thread **spins** when, over the interval, it made at most
-  ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary context switches (it never
-  waited for anything) and either used at least ``SPIN_MIN_CPU_FRACTION`` of one core or
-  was runnable (on a CPU or waiting for one) at least ``SPIN_MIN_RUNNABLE_FRACTION`` of the
-  time. The second form keeps the rule working on a loaded machine, where a spinning thread
-  only gets its share of a core. The runnable share is the larger of two estimates: time
+  ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary context switches (it hardly
+  waited for anything: a few a second come from handing the GIL to another Python
+  thread) and either used at least ``SPIN_MIN_CPU_FRACTION`` of one core or was runnable
+  (on a CPU or waiting for one) at least ``SPIN_MIN_RUNNABLE_FRACTION`` of the time. The
+  second form keeps the rule working on a loaded machine, where a spinning thread only
+  gets its share of a core. The runnable share is the larger of two estimates: time
   running plus time queued from ``/proc/.../schedstat`` (which books a wait only once it
   ends), and the share of state samples that found the thread in ``R``. Rising nonvoluntary
   switches are kept as evidence but not required: a spinning thread is only preempted when
