@@ -61,11 +61,13 @@ def test_engine_names_follow_vllm() -> None:
 
 def test_a_slow_answer_under_the_timeout_passes() -> None:
     seen: list[float] = []
-    liveness = Liveness(1.0, on_round_trip=seen.append)
+    names: list[str] = []
+    liveness = Liveness(1.0, on_round_trip=lambda e, s: (names.append(e), seen.append(s)))
     client = Client(delay=0.6)
     assert run(liveness.check(client)) is None
     assert client.calls == [(ENGINE_PING_METHOD, b"e0")]
     assert len(seen) == 1 and 0.55 < seen[0] < 1.0
+    assert names == ["EngineCore"]
     assert liveness.engine_counts() == [{"ghost_keys_dropped": 2, "protected": 1}]
 
 

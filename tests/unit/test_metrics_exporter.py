@@ -63,7 +63,7 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     exporter = Exporter(lambda: LOCAL, lambda: engines, errors.append)
     try:
         exporter.start()
-        exporter.observe_round_trip(0.004)
+        exporter.observe_round_trip("EngineCore", 0.004)
         exporter.round_trip_failed("EngineCore")
         text = prom.generate_latest(prom.REGISTRY).decode()
     finally:
@@ -88,7 +88,7 @@ counts = json.loads(sys.argv[1])
 engines = json.loads(sys.argv[2])
 exporter = Exporter(lambda: counts, lambda: engines, print)
 exporter.start()
-exporter.observe_round_trip(0.01)
+exporter.observe_round_trip("EngineCore", 0.01)
 exporter.stop()
 """
 
@@ -136,3 +136,8 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
         in text
     ), text
     assert "mmcache_fix_engine_round_trip_seconds_count 2.0" in text, text
+    # Every metric is listed, also a labelled counter still at 0 (multiprocess mode shows
+    # only series that were created).
+    for spec in n.METRICS:
+        assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, text)
+    assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 0.0' in text, text

@@ -34,7 +34,7 @@ class EngineHealth(Fix):
         self.switched_off: str | None = None
         self.on_start: Callable[[], None] = lambda: None
         """Called before each round trip (the metrics start there if nothing started them)."""
-        self.on_round_trip: Callable[[float], None] = lambda seconds: None
+        self.on_round_trip: Callable[[str, float], None] = lambda engine, seconds: None
         self.on_failure: Callable[[str], None] = lambda engine: None
         self._subscription: Any = None
         self._error_classes: dict[type, type] = {}
@@ -53,7 +53,7 @@ class EngineHealth(Fix):
             raise DidNotEnable("disabled by MMCACHE_FIX_HEALTH_TIMEOUT=0")
         self.liveness = Liveness(
             setting.value,
-            on_round_trip=lambda s: self.on_round_trip(s),
+            on_round_trip=lambda e, s: self.on_round_trip(e, s),
             on_failure=lambda e: self.on_failure(e),
         )
         self.errors.reload_faults()

@@ -68,7 +68,7 @@ class Liveness:
     """The probes of every engine client in this process."""
 
     timeout: float
-    on_round_trip: Callable[[float], None] = lambda seconds: None
+    on_round_trip: Callable[[str, float], None] = lambda engine, seconds: None
     on_failure: Callable[[str], None] = lambda engine: None
     clients: weakref.WeakKeyDictionary[Any, list[EngineProbe]] = field(
         default_factory=weakref.WeakKeyDictionary
@@ -133,7 +133,7 @@ class Liveness:
         probe.error = error
         if isinstance(reply, dict) and isinstance(reply.get("counts"), dict):
             probe.counts = reply["counts"]
-        self.on_round_trip(seconds)
+        self.on_round_trip(probe.name, seconds)
         if probe.failing:
             probe.failing = False
             log.warning(

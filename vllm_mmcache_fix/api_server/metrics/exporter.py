@@ -201,9 +201,12 @@ class Exporter:
         obj = self.metrics[metric]
         return obj.labels(**dict(labels)) if labels else obj
 
-    def observe_round_trip(self, seconds: float) -> None:
+    def observe_round_trip(self, engine: str, seconds: float) -> None:
         if self.started:
             self.metrics[n.ROUND_TRIP_SECONDS].observe(seconds)
+            # The engine's failure counter exists from its first answer on, at 0: a labelled
+            # series nobody touched is missing from /metrics with PROMETHEUS_MULTIPROC_DIR.
+            self.metrics[n.ROUND_TRIPS_FAILED].labels(engine=engine)
 
     def round_trip_failed(self, engine: str) -> None:
         if self.started:

@@ -63,9 +63,9 @@ class PluginMetrics(Fix):
         with self._site:
             self.exporter.start()
 
-    def observe_round_trip(self, seconds: float) -> None:
+    def observe_round_trip(self, engine: str, seconds: float) -> None:
         with self._site:
-            self.exporter.observe_round_trip(seconds)
+            self.exporter.observe_round_trip(engine, seconds)
         self.exporter.sync()  # EngineCore's counters just arrived (guards itself)
 
     def round_trip_failed(self, engine: str) -> None:
