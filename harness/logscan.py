@@ -44,7 +44,11 @@ def _lines(log_path: Path, upto: int | None = None) -> list[str]:
     return data.decode(errors="replace").splitlines()
 
 
-_SUPPORTED_TASKS = re.compile(r"Supported tasks: \[(?P<tasks>[^\]]*)\]")
+_SUPPORTED_TASKS = re.compile(
+    r"[Ss]upported[_ ]tasks:?\s*(?P<tasks>\[[^\]]*\]|\{[^}]*\}|\([^)]*\))"
+)
+"""``Supported tasks: ['generate']`` (0.12+); ``Supported_tasks: ['generate']`` (0.11);
+a set or tuple in some releases."""
 
 
 def supported_tasks(log_path: Path) -> list[str] | None:
@@ -56,7 +60,7 @@ def supported_tasks(log_path: Path) -> list[str] | None:
     for line in _lines(log_path):
         m = _SUPPORTED_TASKS.search(line)
         if m:
-            return [t.strip().strip("'\"") for t in m.group("tasks").split(",") if t.strip()]
+            return re.findall(r"['\"]([^'\"]+)['\"]", m.group("tasks"))
     return None
 
 

@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
 from harness.venvs import DEFAULT_VERSIONS as SHARED_VENVS
 
@@ -81,7 +82,6 @@ RELEASES: tuple[str, ...] = (
 PRIORITY: tuple[str, ...] = ("0.11.0", "0.13.0", "0.15.1", "0.18.1", "0.19.1", "0.21.0")
 """Run first: the releases where something was seen to go wrong, and the layout changes."""
 
-SUPPORTED_TASKS = re.compile(r"[Ss]upported[_ ]tasks:?\s*(\[[^\]]*\]|\{[^}]*\}|\([^)]*\))")
 GENERATIVE_TASK = "generate"
 ACTIVE_MARK = " active in "
 
@@ -142,17 +142,6 @@ def save(data: dict[str, Any], path: Path = MATRIX_FILE) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-
-
-def supported_tasks(log_path: Path) -> list[str] | None:
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        return None
-    m = SUPPORTED_TASKS.search(text)
-    if not m:
-        return None
-    return re.findall(r"'([^']+)'", m.group(1))
 
 
 ACTIVE_LINE = re.compile(

@@ -94,3 +94,23 @@ def test_which_releases_run_again() -> None:
     assert not matrix.needs_run(full, "b" * 40, missing_only=True)
     assert matrix.needs_run({**full, "quick": True}, "a" * 40, missing_only=True)
     assert matrix.needs_run({"plugin_commit": "a" * 40}, "a" * 40, missing_only=True)
+
+
+def test_supported_tasks_as_each_release_logs_them(tmp_path) -> None:
+    from harness.logscan import supported_tasks
+
+    cases = {
+        "(APIServer pid=1) INFO [api_server.py:1634] Supported_tasks: ['generate']": [
+            "generate"
+        ],  # 0.11
+        "(APIServer pid=1) INFO [api_server.py:1] Supported tasks: ['token_embed', 'embed']": [
+            "token_embed",
+            "embed",
+        ],
+        "\x1b[1;36m(APIServer pid=1)\x1b[0;0m INFO Supported tasks: ('generate',)": ["generate"],
+        "INFO Starting vLLM API server": None,
+    }
+    for i, (line, tasks) in enumerate(cases.items()):
+        log = tmp_path / f"{i}.log"
+        log.write_text("INFO something\n" + line + "\n")
+        assert supported_tasks(log) == tasks, line
