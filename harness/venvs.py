@@ -67,6 +67,14 @@ VERSION_PINS: dict[str, list[str]] = {
     "0.23.0": ["transformers==5.5.4"],
     # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
     "0.11.0": ["transformers==4.56.2"],
+    # Not yet run with these pins. Under transformers 5.24.0, 0.10.x rejects the tiny
+    # Qwen2-VL's mrope rope config ("conflicts between 'rope_type=default' and
+    # 'type=mrope'"), and 0.21.0's multimodal profiling dies in transformers' own input
+    # check ("Found 1 <|image_pad|> tokens in the text but no images were passed");
+    # 0.19.1 passes on 5.24.0, 0.23.0 needs 5.5.4.
+    "0.10.1.1": ["transformers==4.56.2"],
+    "0.10.2": ["transformers==4.56.2"],
+    "0.21.0": ["transformers==5.5.4"],
 }
 
 SMOKE_TEST = r"""
