@@ -34,6 +34,7 @@ VERSIONS = e2e_versions()
 FREEZE_VERSION = "0.23.0"
 TIMEOUT_S = 3.0
 MARGIN_S = 5.0
+MIN_POLLS = 12
 
 
 def _polls(result: incident.RunResult, poller: HealthPoller) -> list:
@@ -55,6 +56,11 @@ def _freeze_case(version: str, vllm_venv, wheel: Path | None, env: dict[str, str
     base = f"http://127.0.0.1:{port}"
 
     def inspect(_pid: int) -> dict:
+        # A replay that is served fast takes a second or two: let /health be polled at
+        # least MIN_POLLS times (each poll is a round trip) before looking.
+        wait_until = time.monotonic() + MIN_POLLS * 0.5 + 10
+        while len(poller.answered()) < MIN_POLLS and time.monotonic() < wait_until:
+            time.sleep(0.2)
         t0 = time.monotonic()
         status, body, took = http_get(base + "/health", TIMEOUT_S + MARGIN_S + 30)
         metrics_status, metrics, _ = scrape(base)
