@@ -2,8 +2,7 @@
 
 Pure text parsing plus one reader for this process's own threads (which keeps the GIL
 while it reads, see :func:`_gil_holding_reader`); nothing here imports vLLM or the
-operator tools. Parsers raise ``ValueError`` on text
-they do not recognise.
+operator tools. Parsers raise ``ValueError`` on text they do not recognise.
 """
 
 from __future__ import annotations

@@ -18,18 +18,18 @@ MIN_RUNNABLE_FRACTION = 0.9
 """...or is on a CPU or waiting for one this much of the time (a busy machine)."""
 MAX_VOLUNTARY_PER_SEC = 60.0
 """...and gives up the CPU of its own accord at most this often. A thread that blocks
-on I/O or a lock every 10 ms exceeds it; a spinning Python thread shows some, because
-each ``/proc`` read of the sentinel hands the GIL back and forth (measured: 0-16 a
-second next to the sampler in a frozen EngineCore, 23-31 next to a sampling main
-thread in a small process)."""
+on I/O or a lock every 10 ms exceeds it; a spinning Python thread shows some, from
+handing the GIL to other Python threads (measured in a frozen EngineCore: 2 a second
+next to this sampler, whose ``/proc`` reads keep the GIL; 40-73 when they went through
+Python's file I/O, which is still the fallback where ``ctypes`` is missing)."""
 MAX_DEPTH_ABOVE_ANCHOR = 4
+"""The innermost frame may be at most this many calls above the frame that has not
+returned since the stall began (the loop calls small helpers: ``popitem``)."""
 MAX_MISSES = 1
 """Consecutive starved intervals a stall survives (the thread stays in place, but another
 process took the core)."""
 TOTAL_SLACK = 0.75
 """Over the whole stall, the thread must still show this share of the per-interval bar."""
-"""The innermost frame may be at most this many calls above the frame that has not
-returned since the stall began (the loop calls small helpers: ``popitem``)."""
 REPORT_LOOKS = 20
 REPORT_LOOK_GAP_S = 0.002
 """Looks at a stalled thread when reporting it (see :meth:`Detector._deepest`)."""
@@ -40,9 +40,6 @@ try:
     CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK"))
 except (ValueError, OSError, AttributeError):
     CLOCK_TICKS = 100.0
-
-FrameKey = tuple[int, int]
-"""(id of the frame, id of its code object): the same call, as long as it lasts."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +77,9 @@ class Stall:
 @dataclass
 class _Track:
     native_id: int
-    anchor: list[FrameKey]
-    held: list[FrameType]
-    """The anchor's frames themselves: while they are referenced here, no new call can
-    reuse their ids, so a matching key is the same call (not a new one at the same address)."""
+    anchor: list[FrameType]
+    """Outermost first: the calls that have not returned since the stall began. Holding the
+    frame objects (not their ids) means a new call is never taken for one that returned."""
     counters: ThreadCounters
     at: float
     since: float
@@ -141,11 +137,10 @@ class Detector:
         counters: ThreadCounters,
         now: float,
     ) -> None:
-        frames = _frames(frame)
-        stack = [_key(f) for f in frames]
+        stack = _frames(frame)
         track = self.tracks.get(ident)
         if track is None or track.native_id != thread.native_id:
-            self.tracks[ident] = _Track(thread.native_id or 0, stack, frames, counters, now, now)
+            self.tracks[ident] = _Track(thread.native_id or 0, stack, counters, now, now)
             return
         elapsed = now - track.at
         if elapsed <= 0:
@@ -177,14 +172,13 @@ class Detector:
         elif busy:
             track.misses = 0
         if not (busy and in_place):
-            track.anchor, track.held, track.since = stack, frames, now
+            track.anchor, track.since = stack, now
             track.cpu_s, track.runnable_s = 0.0, 0.0
             track.voluntary = track.involuntary = 0
             track.reported = False
             track.misses = 0
             return
         del track.anchor[common:]
-        del track.held[common:]
         track.cpu_s += cpu_s
         if runnable_s is None or track.runnable_s is None:
             track.runnable_s = None
@@ -224,22 +218,22 @@ class Detector:
             )
         )
 
-    def _deepest(self, ident: int, frame: FrameType, anchor: list[FrameKey]) -> FrameType:
+    def _deepest(self, ident: int, frame: FrameType, anchor: list[FrameType]) -> FrameType:
         """The deepest of a few quick looks at the stalled thread, still inside ``anchor``.
 
         One sample can catch the loop between two calls (in ``Cache.__setitem__`` rather than
         in the ``popitem`` it keeps calling); the report should show the innermost code. At
         most :data:`REPORT_LOOKS` looks, :data:`REPORT_LOOK_GAP_S` apart, once per stall.
         """
-        best, best_depth = frame, len(_keys(frame))
+        best, best_depth = frame, len(_frames(frame))
         for _ in range(REPORT_LOOKS):
             time.sleep(REPORT_LOOK_GAP_S)
             now = sys._current_frames().get(ident)
             if now is None:
                 break
-            keys = _keys(now)
-            if _common_prefix(anchor, keys) == len(anchor) and len(keys) > best_depth:
-                best, best_depth = now, len(keys)
+            stack = _frames(now)
+            if _common_prefix(anchor, stack) == len(anchor) and len(stack) > best_depth:
+                best, best_depth = now, len(stack)
         return best
 
 
@@ -253,19 +247,10 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
     return frames
 
 
-def _key(frame: FrameType) -> FrameKey:
-    return (id(frame), id(frame.f_code))
-
-
-def _keys(frame: FrameType | None) -> list[FrameKey]:
-    """Outermost first."""
-    return [_key(f) for f in _frames(frame)]
-
-
-def _common_prefix(a: list[FrameKey], b: list[FrameKey]) -> int:
+def _common_prefix(a: list[FrameType], b: list[FrameType]) -> int:
     n = 0
     for x, y in zip(a, b):
-        if x != y:
+        if x is not y:
             break
         n += 1
     return n
