@@ -48,6 +48,11 @@ class LockHeldHere(RuntimeError):
     """This process already holds the lock (it would wait for itself forever)."""
 
 
+def _key(path: Path) -> str:
+    """The entry of ``_held`` for a lock file."""
+    return str(path.resolve())
+
+
 def lock_path() -> Path:
     return Path(os.environ.get(LOCK_ENV) or DEFAULT_PATH)
 
@@ -139,7 +144,7 @@ class ServerLock:
         """
         if self.held:
             raise LockHeldHere(f"{self.path} is already held by this object")
-        key = str(self.path.resolve())
+        key = _key(self.path)
         with _held_guard:
             other = _held.get(key)
         if other is not None:
@@ -216,7 +221,7 @@ class ServerLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        key = str(self.path.resolve())
+        key = _key(self.path)
         with _held_guard:
             if _held.get(key) is self:
                 del _held[key]
@@ -256,7 +261,7 @@ class ServerLock:
 
 def held_here(path: str | os.PathLike[str] | None = None) -> bool:
     """Whether this process holds the server lock (``path``: the default lock file)."""
-    key = str((Path(path) if path is not None else lock_path()).resolve())
+    key = _key(Path(path) if path is not None else lock_path())
     with _held_guard:
         return key in _held
 
