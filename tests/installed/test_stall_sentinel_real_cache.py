@@ -56,7 +56,8 @@ def test_sentinel_reports_vllms_lru_cache_spinning_on_a_ghost_key(vllm_venv) -> 
     headers = [i for i, line in enumerate(lines) if PREFIX + STALL in line]
     assert len(headers) == 1, (proc.stdout + proc.stderr)[-3000:]
     header = lines[headers[0]]
-    assert "thread 'cache-writer'" in header and "Cache.__setitem__ (innermost" in header
+    assert "thread 'cache-writer'" in header, header
+    assert "stayed in Cache.__setitem__ (innermost" in header, header
     stack = [line.strip() for line in lines[headers[0] + 1 : headers[0] + 12]]
     assert any("vllm/utils/cache.py" in line and "LRUCache.popitem" in line for line in stack)
     assert any("cachetools/__init__.py" in line for line in stack), stack

@@ -330,3 +330,105 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
     finally:
         stop.set()
         thread.join()
+
+
+def test_the_report_names_the_loop_when_the_stall_began_in_its_caller() -> None:
+    """The first sample catches the thread in the caller, before it enters the loop."""
+    from vllm_mmcache_fix.core.procfs import ThreadCounters
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS, Detector
+
+    go, stop = threading.Event(), threading.Event()
+    counter = [0]
+
+    def step() -> None:
+        counter[0] += 1
+
+    def spin_in_loop() -> None:
+        while not stop.is_set():
+            step()
+
+    def caller() -> None:
+        go.wait()
+        spin_in_loop()
+
+    thread = threading.Thread(target=caller, name="loops")
+    thread.start()
+    try:
+        now = [0.0]
+        ticks = [0]
+
+        def counters(native_id: int) -> ThreadCounters:
+            if native_id == thread.native_id:
+                return ThreadCounters(ticks[0], 0, 0, None)
+            return ThreadCounters(0, 0, 0, None)
+
+        stalls: list = []
+        detector = Detector(
+            threshold_s=2.0,
+            on_stall=stalls.append,
+            read_counters=counters,
+            clock=lambda: now[0],
+            ignore_idents={threading.get_ident()},
+        )
+        time.sleep(0.05)
+        detector.sample()  # in caller, waiting for ``go``
+        go.set()
+        for _ in range(4):
+            time.sleep(0.05)
+            now[0] += 1.0
+            ticks[0] += int(CLOCK_TICKS)
+            detector.sample()
+        assert len(stalls) == 1, stalls
+        assert stalls[0].anchor_function.endswith("spin_in_loop"), stalls[0]
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_sample_keeps_nothing_alive_of_a_call_that_returned() -> None:
+    """A forward pass's tensors must be freed when it returns, not at the next sample."""
+    import gc
+    import weakref
+
+    from vllm_mmcache_fix.core.procfs import ThreadCounters
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+
+    class Tensor:
+        pass
+
+    inside, leave, left, stop = (threading.Event() for _ in range(4))
+    refs: list[weakref.ref] = []
+
+    def forward() -> None:
+        activations = Tensor()
+        refs.append(weakref.ref(activations))
+        inside.set()
+        leave.wait()
+
+    def loop() -> None:
+        while not stop.is_set():
+            forward()
+            left.set()
+            stop.wait()
+
+    thread = threading.Thread(target=loop, name="engine")
+    thread.start()
+    try:
+        detector = Detector(
+            threshold_s=2.0,
+            on_stall=lambda stall: None,
+            read_counters=lambda native_id: ThreadCounters(0, 0, 0, None),
+            ignore_idents={threading.get_ident()},
+        )
+        detector.sample()
+        assert inside.wait(5)
+        detector.sample()  # the second sample, inside ``forward``
+        detector.sample()
+        leave.set()
+        assert left.wait(5)
+        gc.collect()
+        assert refs[0]() is None, "the sentinel kept a returned call's locals alive"
+    finally:
+        leave.set()
+        stop.set()
+        thread.join()

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 
 from ...core.procfs import ThreadCounters, read_own_thread
 
@@ -74,12 +74,26 @@ class Stall:
         return self.stack[0].function if self.stack else "?"
 
 
+_Token = tuple[int, CodeType]
+"""A frame not held: its address and its code. A new call of the same code at the same
+address passes for the old one until the next sample, which holds it."""
+
+
+def _tokens(frames: list[FrameType]) -> list[_Token]:
+    return [(id(frame), frame.f_code) for frame in frames]
+
+
 @dataclass
 class _Track:
     native_id: int
     anchor: list[FrameType]
-    """Outermost first: the calls that have not returned since the stall began. Holding the
-    frame objects (not their ids) means a new call is never taken for one that returned."""
+    """Outermost first: the calls that have not returned since the stall began, each seen in
+    two samples at least, busy in between. Held as objects, so a new call is never taken
+    for one that returned; only such a long, busy call, if it then returns, has its locals
+    kept until the next sample."""
+    tail: list[_Token]
+    """The rest of the last sample's stack, not held: a call that returns in the meantime
+    must not keep its locals (a forward pass's tensors) alive until the next sample."""
     counters: ThreadCounters
     at: float
     since: float
@@ -140,7 +154,9 @@ class Detector:
         stack = _frames(frame)
         track = self.tracks.get(ident)
         if track is None or track.native_id != thread.native_id:
-            self.tracks[ident] = _Track(thread.native_id or 0, stack, counters, now, now)
+            self.tracks[ident] = _Track(
+                thread.native_id or 0, [], _tokens(stack), counters, now, now
+            )
             return
         elapsed = now - track.at
         if elapsed <= 0:
@@ -155,13 +171,14 @@ class Detector:
             cpu_s >= MIN_CPU_FRACTION * elapsed
             or (runnable_s is not None and runnable_s >= MIN_RUNNABLE_FRACTION * elapsed)
         ) and voluntary <= MAX_VOLUNTARY_PER_SEC * elapsed
-        common = _common_prefix(track.anchor, stack)
+        common = _match(track, stack)
         in_place = common > 0 and len(stack) - common <= MAX_DEPTH_ABOVE_ANCHOR
         track.counters, track.at = counters, now
         if track.reported:
             # Reported once: the stall lasts until the call it was found in returns, however
             # busy the thread looks from one interval to the next (one WARNING per stall).
-            if common == len(track.anchor):
+            if common >= len(track.anchor):
+                track.tail = _tokens(stack[len(track.anchor) :])
                 return
             in_place = False
         if in_place and not busy and track.misses < MAX_MISSES:
@@ -172,13 +189,13 @@ class Detector:
         elif busy:
             track.misses = 0
         if not (busy and in_place):
-            track.anchor, track.since = stack, now
+            track.anchor, track.tail, track.since = [], _tokens(stack), now
             track.cpu_s, track.runnable_s = 0.0, 0.0
             track.voluntary = track.involuntary = 0
             track.reported = False
             track.misses = 0
             return
-        del track.anchor[common:]
+        track.anchor, track.tail = stack[:common], _tokens(stack[common:])
         track.cpu_s += cpu_s
         if runnable_s is None or track.runnable_s is None:
             track.runnable_s = None
@@ -197,9 +214,15 @@ class Detector:
             return
         track.reported = True
         self.stalls += 1
-        frame = self._deepest(ident, frame, track.anchor)
+        frame, held = self._deepest(ident, stack)
+        if held is not None:
+            # A call the looks saw return was never part of the stall (a new call that took
+            # a returned one's address); a call they all saw held names the loop best.
+            del track.anchor[held:]
+        else:
+            held = len(track.anchor)
         lines, total = stack_lines(frame)
-        anchor_at = total - len(track.anchor)  # innermost-first index of the anchor frame
+        anchor_at = total - held  # innermost-first index of the innermost held call
         anchor = lines[anchor_at].function if 0 <= anchor_at < len(lines) else "?"
         self.on_stall(
             Stall(
@@ -218,23 +241,32 @@ class Detector:
             )
         )
 
-    def _deepest(self, ident: int, frame: FrameType, anchor: list[FrameType]) -> FrameType:
-        """The deepest of a few quick looks at the stalled thread, still inside ``anchor``.
+    def _deepest(self, ident: int, stack: list[FrameType]) -> tuple[FrameType, int | None]:
+        """(the deepest of a few quick looks at the stalled thread; how many calls of
+        ``stack``, outermost first, every look saw still running, or None without a look).
 
         One sample can catch the loop between two calls (in ``Cache.__setitem__`` rather than
-        in the ``popitem`` it keeps calling); the report should show the innermost code. At
-        most :data:`REPORT_LOOKS` looks, :data:`REPORT_LOOK_GAP_S` apart, once per stall.
+        in the ``popitem`` it keeps calling); the report should show the innermost code. The
+        stall's anchor can also be shallower than the loop (the first sample came just before
+        the loop was entered, in its caller); the calls held through every look name the loop.
+        At most :data:`REPORT_LOOKS` looks, :data:`REPORT_LOOK_GAP_S` apart, once per stall.
         """
-        best, best_depth = frame, len(_frames(frame))
+        best = stack
+        held: int | None = None
         for _ in range(REPORT_LOOKS):
             time.sleep(REPORT_LOOK_GAP_S)
             now = sys._current_frames().get(ident)
             if now is None:
                 break
-            stack = _frames(now)
-            if _common_prefix(anchor, stack) == len(anchor) and len(stack) > best_depth:
-                best, best_depth = now, len(stack)
-        return best
+            look = _frames(now)
+            del now
+            common = _common_prefix(stack, look)
+            if common == 0:
+                continue
+            held = common if held is None else min(held, common)
+            if len(look) > len(best):
+                best = look
+        return best[-1], held
 
 
 def _frames(frame: FrameType | None) -> list[FrameType]:
@@ -245,6 +277,18 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
         frame = frame.f_back
     frames.reverse()
     return frames
+
+
+def _match(track: _Track, stack: list[FrameType]) -> int:
+    """How many calls of ``stack``, outermost first, are the ones the track last saw."""
+    common = _common_prefix(track.anchor, stack)
+    if common < len(track.anchor):
+        return common
+    for (address, code), frame in zip(track.tail, stack[common:]):
+        if id(frame) != address or frame.f_code is not code:
+            break
+        common += 1
+    return common
 
 
 def _common_prefix(a: list[FrameType], b: list[FrameType]) -> int:
