@@ -213,24 +213,36 @@ PRELOAD_BEFORE = (0, 23)
 
 
 def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
-    """``LD_PRELOAD`` with tcmalloc and the venv's ``libiomp5.so`` for releases before 0.23.
+    """Extra environment a release's server needs on this machine (empty for most).
 
-    Empty for newer releases, or when neither library is found (Debian package
-    ``libtcmalloc-minimal4`` provides tcmalloc).
+    Before 0.23, ``LD_PRELOAD`` with tcmalloc and the venv's ``libiomp5.so`` (Debian package
+    ``libtcmalloc-minimal4`` provides tcmalloc). A release whose extensions need a newer
+    ``libstdc++`` than the system's (0.10.2, 0.11.2) gets the one of :mod:`harness.libstdcxx`.
     """
     import re
 
+    from harness import libstdcxx
     from harness.venvs import venv_vllm_version
 
     version = version or venv_vllm_version(Path(venv))
     parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
-    if len(parts) < 2 or parts >= PRELOAD_BEFORE:
-        return {}
-    libs = [p for p in TCMALLOC_PATHS if os.path.exists(p)][:1]
-    iomp = Path(venv) / "lib" / "libiomp5.so"
-    if iomp.exists():
-        libs.append(str(iomp))
-    if not libs:
-        return {}
-    current = os.environ.get("LD_PRELOAD", "")
-    return {"LD_PRELOAD": ":".join([*libs, *([current] if current else [])])}
+    env: dict[str, str] = {}
+    libs: list[str] = []
+    if len(parts) == 2 and parts < PRELOAD_BEFORE:
+        libs = [p for p in TCMALLOC_PATHS if os.path.exists(p)][:1]
+        iomp = Path(venv) / "lib" / "libiomp5.so"
+        if iomp.exists():
+            libs.append(str(iomp))
+    missing = libstdcxx.missing_versions(Path(venv))
+    if missing:
+        print(f"[server] vLLM {version} needs {', '.join(sorted(missing))}", flush=True)
+        newer = libstdcxx.ensure()
+        libs.insert(0, newer["LD_PRELOAD"])
+        current_path = os.environ.get("LD_LIBRARY_PATH", "")
+        env["LD_LIBRARY_PATH"] = ":".join(
+            [newer["LD_LIBRARY_PATH"], *([current_path] if current_path else [])]
+        )
+    if libs:
+        current = os.environ.get("LD_PRELOAD", "")
+        env["LD_PRELOAD"] = ":".join([*libs, *([current] if current else [])])
+    return env
