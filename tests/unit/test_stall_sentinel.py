@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -289,10 +290,35 @@ def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -
     assert status["stalls"] == 0  # the parent saw none of its own
 
 
+def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], list[int]]:
+    """A detector on a clock and CPU counters the test moves: (detector, stalls, now, ticks).
+
+    ``thread`` shows ``ticks[0]`` clock ticks of CPU; every other thread none.
+    """
+    from vllm_mmcache_fix.core.procfs import ThreadCounters
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+
+    now, ticks = [0.0], [0]
+
+    def counters(native_id: int) -> ThreadCounters:
+        if native_id == thread.native_id:
+            return ThreadCounters(ticks[0], 0, 0, None)
+        return ThreadCounters(0, 0, 0, None)
+
+    stalls: list = []
+    detector = Detector(
+        threshold_s=2.0,
+        on_stall=stalls.append,
+        read_counters=counters,
+        clock=lambda: now[0],
+        ignore_idents={threading.get_ident()},
+    )
+    return detector, stalls, now, ticks
+
+
 def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
     """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
-    from vllm_mmcache_fix.core.procfs import ThreadCounters
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS, Detector
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
 
     stop = threading.Event()
 
@@ -303,23 +329,8 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
     thread = threading.Thread(target=stay_here, name="stays")
     thread.start()
     try:
-        now = [0.0]
         busy_plan = [True] * 4 + [False] + [True] * 6
-        ticks = [0]
-
-        def counters(native_id: int) -> ThreadCounters:
-            if native_id == thread.native_id:
-                return ThreadCounters(ticks[0], 0, 0, None)
-            return ThreadCounters(0, 0, 0, None)
-
-        stalls: list = []
-        detector = Detector(
-            threshold_s=2.0,
-            on_stall=stalls.append,
-            read_counters=counters,
-            clock=lambda: now[0],
-            ignore_idents={threading.get_ident()},
-        )
+        detector, stalls, now, ticks = _driven_detector(thread)
         detector.sample()
         for busy in busy_plan:
             time.sleep(0.05)  # the thread's short waits end and begin again between samples
@@ -334,8 +345,7 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
 
 def test_the_report_names_the_loop_when_the_stall_began_in_its_caller() -> None:
     """The first sample catches the thread in the caller, before it enters the loop."""
-    from vllm_mmcache_fix.core.procfs import ThreadCounters
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS, Detector
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
 
     go, stop = threading.Event(), threading.Event()
     counter = [0]
@@ -354,22 +364,7 @@ def test_the_report_names_the_loop_when_the_stall_began_in_its_caller() -> None:
     thread = threading.Thread(target=caller, name="loops")
     thread.start()
     try:
-        now = [0.0]
-        ticks = [0]
-
-        def counters(native_id: int) -> ThreadCounters:
-            if native_id == thread.native_id:
-                return ThreadCounters(ticks[0], 0, 0, None)
-            return ThreadCounters(0, 0, 0, None)
-
-        stalls: list = []
-        detector = Detector(
-            threshold_s=2.0,
-            on_stall=stalls.append,
-            read_counters=counters,
-            clock=lambda: now[0],
-            ignore_idents={threading.get_ident()},
-        )
+        detector, stalls, now, ticks = _driven_detector(thread)
         time.sleep(0.05)
         detector.sample()  # in caller, waiting for ``go``
         go.set()
