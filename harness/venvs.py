@@ -78,6 +78,7 @@ VERSION_PINS: dict[str, list[str]] = {
     # Same failure as 0.21.0 under transformers 5.24.0 (seen in the release matrix).
     "0.20.2": ["transformers==5.5.4"],
     "0.22.1": ["transformers==5.5.4"],
+    "0.24.0": ["transformers==5.5.4"],
     # 0.27.1 asks for transformers>=5.5.3. Under 5.24.0 its Qwen3-VL processor rejects
     # every video ("Found 1 <|video_pad|> tokens in the text but no videos were passed":
     # it processes videos apart, then gives the HF processor the text alone), with or
