@@ -238,11 +238,13 @@ def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
         print(f"[server] vLLM {version} needs {', '.join(sorted(missing))}", flush=True)
         newer = libstdcxx.ensure()
         libs.insert(0, newer["LD_PRELOAD"])
-        current_path = os.environ.get("LD_LIBRARY_PATH", "")
-        env["LD_LIBRARY_PATH"] = ":".join(
-            [newer["LD_LIBRARY_PATH"], *([current_path] if current_path else [])]
-        )
+        env["LD_LIBRARY_PATH"] = _prepended("LD_LIBRARY_PATH", [newer["LD_LIBRARY_PATH"]])
     if libs:
-        current = os.environ.get("LD_PRELOAD", "")
-        env["LD_PRELOAD"] = ":".join([*libs, *([current] if current else [])])
+        env["LD_PRELOAD"] = _prepended("LD_PRELOAD", libs)
     return env
+
+
+def _prepended(name: str, paths: list[str]) -> str:
+    """``paths`` before what this environment's ``name`` already holds, ``:``-separated."""
+    current = os.environ.get(name, "")
+    return ":".join([*paths, *([current] if current else [])])
