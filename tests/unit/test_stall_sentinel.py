@@ -427,3 +427,40 @@ def test_a_sample_keeps_nothing_alive_of_a_call_that_returned() -> None:
         leave.set()
         stop.set()
         thread.join()
+
+
+def test_the_report_keeps_the_callers_of_a_generator_the_loop_keeps_starting() -> None:
+    """vLLM's ``LRUCache.popitem`` scans its order in a generator expression, a new one per
+    call: the report must show the stack as it was seen, not as the generator has it later
+    (finished, with no caller)."""
+    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
+
+    stop = threading.Event()
+    order = list(range(500))
+    data: dict[int, int] = {}
+
+    def popitem() -> int | None:
+        return next((key for key in order if key in data), None)
+
+    def setitem() -> None:
+        while not stop.is_set():
+            popitem()
+
+    thread = threading.Thread(target=setitem, name="evicts")
+    thread.start()
+    try:
+        detector, stalls, now, ticks = _driven_detector(thread)
+        for _ in range(4):
+            time.sleep(0.05)
+            now[0] += 1.0
+            ticks[0] += int(CLOCK_TICKS)
+            detector.sample()
+        assert len(stalls) == 1, stalls
+        stall = stalls[0]
+        functions = [line.function for line in stall.stack]
+        assert stall.anchor_function.endswith("setitem"), (stall.anchor_function, functions)
+        assert any(f.endswith("setitem") for f in functions), functions
+        assert stall.frames_total == len(stall.stack) >= 3, functions
+    finally:
+        stop.set()
+        thread.join()

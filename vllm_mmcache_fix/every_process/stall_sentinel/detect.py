@@ -214,14 +214,14 @@ class Detector:
             return
         track.reported = True
         self.stalls += 1
-        frame, held = self._deepest(ident, stack)
+        frames, held = self._deepest(ident, stack)
         if held is not None:
             # A call the looks saw return was never part of the stall (a new call that took
             # a returned one's address); a call they all saw held names the loop best.
             del track.anchor[held:]
         else:
             held = len(track.anchor)
-        lines, total = stack_lines(frame)
+        lines, total = stack_lines(frames)
         anchor_at = total - held  # innermost-first index of the innermost held call
         anchor = lines[anchor_at].function if 0 <= anchor_at < len(lines) else "?"
         self.on_stall(
@@ -241,8 +241,9 @@ class Detector:
             )
         )
 
-    def _deepest(self, ident: int, stack: list[FrameType]) -> tuple[FrameType, int | None]:
-        """(the deepest of a few quick looks at the stalled thread; how many calls of
+    def _deepest(self, ident: int, stack: list[FrameType]) -> tuple[list[FrameType], int | None]:
+        """(the deepest of a few quick looks at the stalled thread, outermost first, as it
+        was when looked at; how many calls of
         ``stack``, outermost first, every look saw still running, or None without a look).
 
         One sample can catch the loop between two calls (in ``Cache.__setitem__`` rather than
@@ -250,6 +251,8 @@ class Detector:
         stall's anchor can also be shallower than the loop (the first sample came just before
         the loop was entered, in its caller); the calls held through every look name the loop.
         At most :data:`REPORT_LOOKS` looks, :data:`REPORT_LOOK_GAP_S` apart, once per stall.
+        The stack is kept as the list seen, not re-read from its innermost frame later: a
+        generator frame that has since been suspended has no caller any more.
         """
         best = stack
         held: int | None = None
@@ -266,7 +269,7 @@ class Detector:
             held = common if held is None else min(held, common)
             if len(look) > len(best):
                 best = look
-        return best[-1], held
+        return best, held
 
 
 def _frames(frame: FrameType | None) -> list[FrameType]:
@@ -305,13 +308,11 @@ def function_name(frame: FrameType) -> str:
     return getattr(code, "co_qualname", None) or code.co_name
 
 
-def stack_lines(frame: FrameType | None) -> tuple[list[StackLine], int]:
-    """(the innermost ``MAX_STACK_FRAMES`` frames, innermost first; the stack's depth)."""
-    lines: list[StackLine] = []
-    total = 0
-    while frame is not None:
-        total += 1
-        if len(lines) < MAX_STACK_FRAMES:
-            lines.append(StackLine(frame.f_code.co_filename, frame.f_lineno, function_name(frame)))
-        frame = frame.f_back
-    return lines, total
+def stack_lines(frames: list[FrameType]) -> tuple[list[StackLine], int]:
+    """(the innermost ``MAX_STACK_FRAMES`` of ``frames`` (outermost first), innermost first;
+    the stack's depth)."""
+    lines = [
+        StackLine(frame.f_code.co_filename, frame.f_lineno or 0, function_name(frame))
+        for frame in reversed(frames[-MAX_STACK_FRAMES:])
+    ]
+    return lines, len(frames)
