@@ -293,6 +293,7 @@ def run_concurrent(
     video: bool | None = None,
     warmup: int | None = None,
     progress: bool = False,
+    env: dict[str, str] | None = None,
 ) -> ConcurrentResult:
     """One server (plugin kept out unless ``plugin``), ``requests`` requests from
     ``clients`` threads, measured; the server is stopped before this returns.
@@ -300,6 +301,7 @@ def run_concurrent(
     ``warmup``: requests sent first, ``clients`` at a time, and not counted (default
     ``2 * clients``): the first batches of a fresh server wait for its warm-up, seconds
     that would otherwise decide the p99 of a short run. Their images are not in the plan.
+    ``env``: more server environment (a release's :func:`harness.server.preload_env`).
     """
     venv = Path(venv)
     record = record or JsonLines(None)
@@ -331,7 +333,7 @@ def run_concurrent(
     plan = plan_requests(requests, seed, plan_name, video=video, model=model_name)
     result.n2_requests = sum(1 for p in plan if p.n > 1)
     result.video_requests = sum(1 for p in plan if p.kind == "video")
-    env = {} if plugin else plugin_disabled_env(venv)
+    env = {**(env or {}), **({} if plugin else plugin_disabled_env(venv))}
     server = Server(
         venv,
         model,

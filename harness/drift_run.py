@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import re
 import sys
@@ -168,7 +169,9 @@ def run_mixed(
     if drift_mode:
         env["MMCACHE_FIX_DRIFT"] = drift_mode
     if plugin_path is not None:
-        env["PYTHONPATH"] = str(plugin_path)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(plugin_path), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        )
     if plugin_off:
         env["MMCACHE_FIX_MODE"] = "off"
     server = Server(

@@ -231,7 +231,9 @@ def drift_record(
     }
 
 
-def concurrent_record(venv: Path, lock: Any, plugin: bool) -> dict[str, Any]:
+def concurrent_record(
+    venv: Path, lock: Any, plugin: bool, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A short concurrent run (:mod:`harness.concurrent`), when this checkout has it."""
     if importlib.util.find_spec("harness.concurrent") is None:
         return {"skipped": "not available (harness/concurrent.py is not in this checkout)"}
@@ -248,6 +250,7 @@ def concurrent_record(venv: Path, lock: Any, plugin: bool) -> dict[str, Any]:
             lock=lock,
             request_timeout=30.0,
             max_seconds=240.0,
+            env=env,
         )
         data = res.to_dict()
     except Exception as exc:  # noqa: BLE001 - recorded
@@ -358,7 +361,7 @@ def run_release(
                 if not quick and phase["incident"].get("started"):
                     _log(f"{version} {tag}: mixed drift run ({drift_requests} requests)")
                     phase["drift"] = drift_record(venv, model, lock, drift_requests, env)
-                    phase["concurrent"] = concurrent_record(venv, lock, plugin is not None)
+                    phase["concurrent"] = concurrent_record(venv, lock, plugin is not None, env)
                 if plugin is not None:
                     set_plugin(venv, None)
             phase["summary"] = _with_plugin_summary(phase)

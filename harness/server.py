@@ -218,10 +218,12 @@ def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
     Before 0.23, ``LD_PRELOAD`` with tcmalloc and the venv's ``libiomp5.so`` (Debian package
     ``libtcmalloc-minimal4`` provides tcmalloc). A release whose extensions need a newer
     ``libstdc++`` than the system's (0.10.2, 0.11.2) gets the one of :mod:`harness.libstdcxx`.
+    A release whose Qwen-VL rotary embedding needs Triton on CPU (0.10.x) gets 0.11.0's
+    CPU path from :mod:`harness.cpu_mrope` on ``PYTHONPATH``.
     """
     import re
 
-    from harness import libstdcxx
+    from harness import cpu_mrope, libstdcxx
     from harness.venvs import venv_vllm_version
 
     version = version or venv_vllm_version(Path(venv))
@@ -241,6 +243,8 @@ def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
         env["LD_LIBRARY_PATH"] = _prepended("LD_LIBRARY_PATH", [newer["LD_LIBRARY_PATH"]])
     if libs:
         env["LD_PRELOAD"] = _prepended("LD_PRELOAD", libs)
+    if cpu_mrope.needed(Path(venv)):
+        env["PYTHONPATH"] = str(cpu_mrope.DIRECTORY)
     return env
 
 
