@@ -16,8 +16,8 @@ Selection (environment):
 * ``MMCACHE_FIX_MODALITIES``: ``image``/``video``, default both;
 * ``MMCACHE_FIX_E2E_VERSIONS``: vLLM versions, default 0.23.0 0.27.1 0.32.0;
 * ``MMCACHE_FIX_FAMILY_MATRIX``: ``ci`` (default) runs each model x modality once with the
-  plugin on one version (:data:`CI_WITH_PLUGIN`) and the video replay without it on the
-  oldest version: six server starts. ``full`` runs every selected model x modality x
+  plugin on one version (:data:`CI_WITH_PLUGIN`) and Qwen3-VL's video replay without it on
+  the oldest version: five server starts. ``full`` runs every selected model x modality x
   version, with and without the plugin.
 """
 
@@ -45,7 +45,9 @@ CI_WITH_PLUGIN = {
     ("qwen3-vl", "image"): "0.32.0",
     ("qwen3-vl", "video"): "0.23.0",
 }
-CI_WITHOUT_PLUGIN = {("qwen2.5-vl", "video"): "0.23.0", ("qwen3-vl", "video"): "0.23.0"}
+# Qwen2.5-VL with video is left to ``full``: on 0.23.0 without the plugin that server never
+# becomes healthy (see the skip below), three minutes of CI that show nothing new.
+CI_WITHOUT_PLUGIN = {("qwen3-vl", "video"): "0.23.0"}
 
 # Without the plugin, what steps b and c did in every run recorded: "hang" (b answers
 # 500, a later new item times out, EngineCore spins) or "error-then-ok" (b answers 500,
