@@ -316,10 +316,20 @@ def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], 
     return detector, stalls, now, ticks
 
 
-def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
-    """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
+def _intervals(detector: Any, now: list[float], ticks: list[int], busy_plan: list[bool]) -> None:
+    """One sample per entry of ``busy_plan``, each 1 s of the test's clock after the last;
+    the driven thread shows a whole second of CPU in the busy ones."""
     from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
 
+    for busy in busy_plan:
+        time.sleep(0.05)  # the thread's short waits end and begin again between samples
+        now[0] += 1.0
+        ticks[0] += int(CLOCK_TICKS) if busy else 0
+        detector.sample()
+
+
+def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
+    """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
     stop = threading.Event()
 
     def stay_here() -> None:
@@ -332,11 +342,7 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
         busy_plan = [True] * 4 + [False] + [True] * 6
         detector, stalls, now, ticks = _driven_detector(thread)
         detector.sample()
-        for busy in busy_plan:
-            time.sleep(0.05)  # the thread's short waits end and begin again between samples
-            now[0] += 1.0
-            ticks[0] += int(CLOCK_TICKS) if busy else 0
-            detector.sample()
+        _intervals(detector, now, ticks, busy_plan)
         assert [s.thread_name for s in stalls] == ["stays"]
     finally:
         stop.set()
@@ -345,8 +351,6 @@ def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> N
 
 def test_the_report_names_the_loop_when_the_stall_began_in_its_caller() -> None:
     """The first sample catches the thread in the caller, before it enters the loop."""
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
-
     go, stop = threading.Event(), threading.Event()
     counter = [0]
 
@@ -368,11 +372,7 @@ def test_the_report_names_the_loop_when_the_stall_began_in_its_caller() -> None:
         time.sleep(0.05)
         detector.sample()  # in caller, waiting for ``go``
         go.set()
-        for _ in range(4):
-            time.sleep(0.05)
-            now[0] += 1.0
-            ticks[0] += int(CLOCK_TICKS)
-            detector.sample()
+        _intervals(detector, now, ticks, [True] * 4)
         assert len(stalls) == 1, stalls
         assert stalls[0].anchor_function.endswith("spin_in_loop"), stalls[0]
     finally:
@@ -433,8 +433,6 @@ def test_the_report_keeps_the_callers_of_a_generator_the_loop_keeps_starting() -
     """vLLM's ``LRUCache.popitem`` scans its order in a generator expression, a new one per
     call: the report must show the stack as it was seen, not as the generator has it later
     (finished, with no caller)."""
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
-
     stop = threading.Event()
     order = list(range(500))
     data: dict[int, int] = {}
@@ -450,11 +448,7 @@ def test_the_report_keeps_the_callers_of_a_generator_the_loop_keeps_starting() -
     thread.start()
     try:
         detector, stalls, now, ticks = _driven_detector(thread)
-        for _ in range(4):
-            time.sleep(0.05)
-            now[0] += 1.0
-            ticks[0] += int(CLOCK_TICKS)
-            detector.sample()
+        _intervals(detector, now, ticks, [True] * 4)
         assert len(stalls) == 1, stalls
         stall = stalls[0]
         functions = [line.function for line in stall.stack]
