@@ -4,6 +4,7 @@ Usage::
 
     scripts/unit-pythons                          # 3.9 3.10 3.11 3.12 3.13
     scripts/unit-pythons --versions 3.12 -- -k lock   # pytest arguments after --
+    scripts/unit-pythons --skip 3.11              # all but one
 
 Interpreters come from pyenv (``$(pyenv root)/versions/X.Y.Z``, the newest patch
 release), else from ``pythonX.Y`` on ``PATH``; a missing one is installed with
@@ -149,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", nargs="+", default=list(REQUIRED), metavar="X.Y")
     ap.add_argument("--optional", nargs="*", default=list(OPTIONAL), metavar="X.Y")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], metavar="X.Y", help="versions tested elsewhere"
+    )
     opts = ap.parse_args(args)
+    opts.versions = [v for v in opts.versions if v not in opts.skip]
+    opts.optional = [v for v in opts.optional if v not in opts.skip]
 
     rows: list[tuple[str, str, str]] = []
     failed: list[str] = []
