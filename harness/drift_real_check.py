@@ -24,8 +24,8 @@ import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.async_llm  # noqa: F401
 import vllm.v1.engine.input_processor  # noqa: F401
 
-from vllm_mmcache_fix.api_server import drift_guard as drift
-from vllm_mmcache_fix.api_server.drift_guard import records
+from vllm_mmcache_fix import drift_guard as drift
+from vllm_mmcache_fix.drift_guard import records
 
 out: dict[str, object] = {"vllm": vllm.__version__}
 status = drift.install()

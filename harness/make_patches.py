@@ -6,7 +6,7 @@ Each diff changes the one file that defines vLLM's multimodal ``get_lru_cache``
 
 * it adds ``_FixedLRUCache``, a subclass of that module's ``LRUCache`` whose ``touch``,
   ``popitem`` and ``clear`` (and their helpers) are the plugin's ``FixedLRUMixin`` methods,
-  taken from ``vllm_mmcache_fix/every_process/lru_eviction/cache.py`` by
+  taken from ``vllm_mmcache_fix/lru_eviction/cache.py`` by
   ``inspect``/``ast`` so the two cannot drift. The plugin's repair statistics become one
   ``logger.warning`` per process, prefixed
   ``vllm-mmcache-fix:``;
@@ -46,7 +46,7 @@ from pathlib import Path
 
 from harness import sources
 from harness.paths import REPO_ROOT
-from vllm_mmcache_fix.every_process.lru_eviction import cache as fixed_cache
+from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
 from vllm_mmcache_fix.tools.source_patch import (
     INDEX_NAME,
     SCHEMA_VERSION,
@@ -491,7 +491,7 @@ def build(versions: Sequence[str], roots: dict[str, Path]) -> dict[str, bytes]:
         "schema_version": SCHEMA_VERSION,
         "fix": FIX_ID,
         "generated_by": "scripts/make-patches",
-        "class_source": "vllm_mmcache_fix/every_process/lru_eviction/cache.py:FixedLRUMixin",
+        "class_source": "vllm_mmcache_fix/lru_eviction/cache.py:FixedLRUMixin",
         "naming": (
             f"vllm-<first>-{FIX_ID}.diff covers one release; "
             f"vllm-<first>_<last>-{FIX_ID}.diff covers the consecutive releases listed in "

@@ -24,7 +24,7 @@ from harness.paths import log_path as new_log_path
 from harness.server import Server
 from harness.venvs import build_wheel, complete_venv, set_plugin
 from vllm_mmcache_fix.core.settings import ENV_STALL_SECONDS
-from vllm_mmcache_fix.every_process.stall_sentinel.fix import NATIVE_THREAD_NAME
+from vllm_mmcache_fix.stall_sentinel.fix import NATIVE_THREAD_NAME
 
 
 def _cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
@@ -75,7 +75,7 @@ def sample_cost(threads: int = 16, samples: int = 300) -> dict[str, float]:
     """CPU time of one sentinel sample in this process with ``threads`` idle Python threads."""
     import threading
 
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+    from vllm_mmcache_fix.stall_sentinel.detect import Detector
 
     stop = threading.Event()
     idle = [threading.Thread(target=stop.wait, daemon=True) for _ in range(threads)]

@@ -74,8 +74,8 @@ _substituted: list[str] = []
 
 
 def _bind_lru_cache_to_the_fixed_class() -> None:
-    from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
-    from vllm_mmcache_fix.every_process.lru_eviction.locate import locate_lru_class
+    from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
+    from vllm_mmcache_fix.lru_eviction.locate import locate_lru_class
 
     base = locate_lru_class(import_modules=True)
     fixed = fixed_lru_class(base)
@@ -94,7 +94,7 @@ def _lru_subclasses() -> dict[str, bool]:
     """ "fixed-lru" mode: every loaded subclass of vLLM's LRUCache, and whether it is fixed."""
     if MODE != "fixed-lru":
         return {}
-    from vllm_mmcache_fix.every_process.lru_eviction.cache import BASE_ATTR
+    from vllm_mmcache_fix.lru_eviction.cache import BASE_ATTR
 
     fixed = sys.modules[_substituted[0].rsplit(".", 1)[0]].LRUCache
     base = getattr(fixed, BASE_ATTR)

@@ -1,14 +1,17 @@
 """vllm-mmcache-fix: multimodal processor caches that cannot freeze vLLM.
 
-Installed next to vLLM, the ``mmcache_fix`` general plugin installs three fixes:
+Installed next to vLLM, the ``mmcache_fix`` general plugin installs one package per
+feature (``plugin.FIXES``); each decides for itself where it acts (``runs_in``):
 
-- ``every_process/lru_eviction``: the LRU behind vLLM's multimodal processor
-  caches gets an eviction that always makes progress (every process);
-- ``api_server/drift_guard``: the API server's sender cache stays in step with
-  EngineCore's, and a request EngineCore cannot serve is re-sent with its
-  data (API server only);
-- ``every_process/stall_sentinel``: a thread that logs the stack of any thread
-  stuck burning a core in one place (EngineCore and API server only).
+- ``lru_eviction``: the LRU behind vLLM's multimodal processor caches gets an
+  eviction that always makes progress (every process);
+- ``drift_guard``: the API server's sender cache stays in step with EngineCore's,
+  and a request EngineCore cannot serve is re-sent with its data (API server);
+- ``engine_liveness``: ``/health`` also fails when an EngineCore stops answering
+  (the check in the API server, the answer in EngineCore);
+- ``metrics``: the plugin's counters on vLLM's ``/metrics`` (API server);
+- ``stall_sentinel``: a thread that logs the stack of any thread stuck burning a
+  core in one place (EngineCore and API server).
 
 ``core/`` holds what they share, ``tools/`` the operator commands (``check``,
 ``diagnose``, ``patch``), ``catalogue`` and ``vllm_layout`` the data.

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api_server.drift_guard.fix import DriftGuard
-from .api_server.drift_guard.stats import STATS as DRIFT_STATS
-from .api_server.engine_health.fix import EngineHealth
-from .api_server.metrics.fix import PluginMetrics
 from .core import counters, imports, log, registry
 from .core.lifecycle import STATUS_SCHEMA, Fix
 from .core.process import process_label, vllm_version
 from .core.settings import Mode, read_mode
-from .engine_core.liveness.fix import EngineLivenessAnswer
-from .every_process.lru_eviction import cache as lru_cache
-from .every_process.lru_eviction.fix import LruEvictionFix
-from .every_process.stall_sentinel.fix import StallSentinelFix
+from .drift_guard.fix import DriftGuard
+from .drift_guard.stats import STATS as DRIFT_STATS
+from .engine_liveness.answer import EngineLivenessAnswer
+from .engine_liveness.health import EngineHealth
+from .lru_eviction import cache as lru_cache
+from .lru_eviction.fix import LruEvictionFix
+from .metrics.fix import PluginMetrics
+from .stall_sentinel.fix import StallSentinelFix
 
 LRU_EVICTION = LruEvictionFix()
 DRIFT_GUARD = DriftGuard()

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
+    from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
     base, label = load_vllm_lru(args.release)
     fixed = fixed_lru_class(base)

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_mmcache_fix.api_server import drift_guard as drift
-from vllm_mmcache_fix.api_server.drift_guard import processor, recovery
+from vllm_mmcache_fix import drift_guard as drift
+from vllm_mmcache_fix.drift_guard import processor, recovery
 
 ITEM = 4096
 CAPACITY_ITEMS = 64

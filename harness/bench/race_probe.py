@@ -89,7 +89,7 @@ def locked_class(cls: type) -> type:
 
 
 def make_class(version: str, variant: str) -> type:
-    from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
+    from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
     base = realsrc.load_lru_module(version).LRUCache
     if variant == "plain":
@@ -103,7 +103,7 @@ def make_class(version: str, variant: str) -> type:
 
 
 def new_cache(cls: type, capacity: int) -> Any:
-    from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR
+    from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR
 
     cache = cls(capacity, getsizeof=len)
     setattr(cache, QUIET_ATTR, True)

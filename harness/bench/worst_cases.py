@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import realsrc
-from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 SIZES = (1_000, 3_000, 10_000, 30_000, 100_000)
 

@@ -26,9 +26,9 @@ from harness.lock import ServerLock
 from harness.paths import log_path as new_log_path
 from harness.server import Server
 from harness.venvs import e2e_versions, set_plugin
-from vllm_mmcache_fix.api_server.metrics import names
 from vllm_mmcache_fix.core.messages import ENGINE_NOT_ANSWERING
 from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
+from vllm_mmcache_fix.metrics import names
 
 VERSIONS = e2e_versions()
 FREEZE_VERSION = "0.23.0"

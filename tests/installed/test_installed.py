@@ -34,7 +34,7 @@ def child(queue):
     load_general_plugins()
     import vllm.multimodal.cache  # what EngineCore has imported when it builds caches
     import vllm_mmcache_fix
-    from vllm_mmcache_fix.every_process.lru_eviction.locate import locate_mm_cache_factory
+    from vllm_mmcache_fix.lru_eviction.locate import locate_mm_cache_factory
     factory = locate_mm_cache_factory()
     out = {"cls": type(factory.owner.get_lru_cache(0.001, object)).__name__}
     out["status"] = vllm_mmcache_fix.status()

@@ -24,7 +24,7 @@ PROGRAM = textwrap.dedent(
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logger.addHandler(handler); logger.setLevel(logging.INFO); logger.propagate = False
-    from vllm_mmcache_fix.every_process.stall_sentinel.fix import StallSentinelFix
+    from vllm_mmcache_fix.stall_sentinel.fix import StallSentinelFix
     from vllm.utils.cache import LRUCache
     sentinel = StallSentinelFix(); sentinel.install()
     cache = LRUCache(2)

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 )
 
 from harness import realsrc
-from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 # Both touch behaviours (<= 0.23 adds missing keys to the order, later releases do
 # not) and both API generations (``put_if_fits`` appears in 0.29).
@@ -660,7 +660,7 @@ def test_orphans_keep_their_lru_position(version: str) -> None:
 _SCENARIO = """
 import sys
 from harness import realsrc
-from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
 version, variant, scenario = sys.argv[1:4]
 cls = realsrc.load_lru_module(version).LRUCache

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 
 from harness import drift_sim
+from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
-from vllm_mmcache_fix.api_server import drift_guard as drift
-from vllm_mmcache_fix.api_server.drift_guard import recovery, sender
 from vllm_mmcache_fix.core import log
+from vllm_mmcache_fix.drift_guard import recovery, sender
 
 LRU_VERSION = "0.24.0"  # touch() of a missing key adds nothing from here on
 

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 import pytest
 
 from harness import drift_sim
+from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
-from vllm_mmcache_fix.api_server import drift_guard as drift
-from vllm_mmcache_fix.api_server.drift_guard import journal, records, recovery
-from vllm_mmcache_fix.api_server.drift_guard.state import ERRORS, STATE
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR
+from vllm_mmcache_fix.drift_guard import journal, records, recovery
+from vllm_mmcache_fix.drift_guard.state import ERRORS, STATE
 
 pytestmark = pytest.mark.realsrc
 

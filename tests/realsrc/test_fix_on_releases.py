@@ -24,7 +24,7 @@ HANG_DEADLINE_S = 2.0
 SEQUENCES = """
 import json, os, sys, threading, time
 from harness import realsrc
-from vllm_mmcache_fix.every_process.lru_eviction.cache import STATS, fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import STATS, fixed_lru_class
 
 module = realsrc.load_lru_module(VERSION)
 LRU = module.LRUCache

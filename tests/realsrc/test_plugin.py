@@ -275,7 +275,7 @@ def test_register_never_raises(tree) -> None:
         """
         import vllm.multimodal.cache as m
         import vllm_mmcache_fix
-        from vllm_mmcache_fix.every_process.lru_eviction import fix
+        from vllm_mmcache_fix.lru_eviction import fix
         def boom(**kwargs):
             raise RuntimeError("simulated bug")
         fix.locate_mm_cache_factory = boom

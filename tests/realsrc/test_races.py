@@ -16,7 +16,7 @@ import pytest
 
 from harness import realsrc
 from harness.bench import race_probe
-from vllm_mmcache_fix.every_process.lru_eviction.cache import fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
 TRIALS = int(os.environ.get("MMCACHE_FIX_RACE_TRIALS", "10"))
 CACHETOOLS = ("5.5.2", "8.0.2")

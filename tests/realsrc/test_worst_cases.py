@@ -12,7 +12,7 @@ import pytest
 
 from harness import realsrc
 from harness.bench import worst_cases
-from vllm_mmcache_fix.every_process.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
+from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.33.0")
 ALL_PINNED = "All items are pinned, cannot remove oldest from the cache."

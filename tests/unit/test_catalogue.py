@@ -6,10 +6,10 @@ import json
 
 from harness.paths import REPO_ROOT as REPO
 from vllm_mmcache_fix import catalogue, plugin, vllm_layout
-from vllm_mmcache_fix.api_server.drift_guard import fix as drift_fix
-from vllm_mmcache_fix.api_server.engine_health import fix as health_fix
-from vllm_mmcache_fix.engine_core.liveness import fix as liveness_fix
-from vllm_mmcache_fix.every_process.lru_eviction import factory
+from vllm_mmcache_fix.drift_guard import fix as drift_fix
+from vllm_mmcache_fix.engine_liveness import answer as liveness_fix
+from vllm_mmcache_fix.engine_liveness import health as health_fix
+from vllm_mmcache_fix.lru_eviction import factory
 
 
 def test_every_patch_the_code_can_apply_is_catalogued() -> None:

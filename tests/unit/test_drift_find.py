@@ -6,7 +6,7 @@ import importlib.machinery
 import sys
 import types
 
-from vllm_mmcache_fix.api_server.drift_guard.fix import find
+from vllm_mmcache_fix.drift_guard.fix import find
 from vllm_mmcache_fix.vllm_layout import ClassLayout, DriftTarget
 
 MODULE = "mmcache_fix_test_fake.async_llm"

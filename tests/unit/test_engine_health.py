@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from vllm_mmcache_fix.api_server.engine_health import fix as health_fix
-from vllm_mmcache_fix.api_server.engine_health.probe import Liveness, engine_name
 from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, read_health_timeout
+from vllm_mmcache_fix.engine_liveness import health as health_fix
+from vllm_mmcache_fix.engine_liveness.probe import Liveness, engine_name
 from vllm_mmcache_fix.vllm_layout import ENGINE_PING_METHOD
 
 

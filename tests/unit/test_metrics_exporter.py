@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mmcache_fix.api_server.metrics import names as n
-from vllm_mmcache_fix.api_server.metrics.exporter import Deltas, Exporter, plan
+from vllm_mmcache_fix.metrics import names as n
+from vllm_mmcache_fix.metrics.exporter import Deltas, Exporter, plan
 
 LOCAL = {
     "protected": 1,
@@ -83,7 +83,7 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
 
 MULTIPROCESS = r"""
 import json, os, sys
-from vllm_mmcache_fix.api_server.metrics.exporter import Exporter
+from vllm_mmcache_fix.metrics.exporter import Exporter
 counts = json.loads(sys.argv[1])
 engines = json.loads(sys.argv[2])
 exporter = Exporter(lambda: counts, lambda: engines, print)

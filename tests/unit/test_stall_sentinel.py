@@ -25,7 +25,7 @@ from vllm_mmcache_fix.core.settings import (
     ENV_STALL_SECONDS,
     read_stall_seconds,
 )
-from vllm_mmcache_fix.every_process.stall_sentinel.fix import (
+from vllm_mmcache_fix.stall_sentinel.fix import (
     API_SERVER,
     ENGINE_CORE,
     process_kind,
@@ -40,7 +40,7 @@ PRELUDE = textwrap.dedent(
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    from vllm_mmcache_fix.every_process.stall_sentinel.fix import StallSentinelFix
+    from vllm_mmcache_fix.stall_sentinel.fix import StallSentinelFix
 
     class Spinner:
         def __init__(self):
@@ -192,7 +192,7 @@ def test_injected_fault_stops_the_sentinel_after_one_line_and_the_program_goes_o
 def test_an_exception_inside_the_sampler_stops_it_quietly() -> None:
     status, err = _run(
         """
-        from vllm_mmcache_fix.every_process.stall_sentinel import detect
+        from vllm_mmcache_fix.stall_sentinel import detect
         def broken(self):
             raise RuntimeError("sampler broke")
         detect.Detector.sample = broken
@@ -296,7 +296,7 @@ def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], 
     ``thread`` shows ``ticks[0]`` clock ticks of CPU; every other thread none.
     """
     from vllm_mmcache_fix.core.procfs import ThreadCounters
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+    from vllm_mmcache_fix.stall_sentinel.detect import Detector
 
     now, ticks = [0.0], [0]
 
@@ -319,7 +319,7 @@ def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], 
 def _intervals(detector: Any, now: list[float], ticks: list[int], busy_plan: list[bool]) -> None:
     """One sample per entry of ``busy_plan``, each 1 s of the test's clock after the last;
     the driven thread shows a whole second of CPU in the busy ones."""
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import CLOCK_TICKS
+    from vllm_mmcache_fix.stall_sentinel.detect import CLOCK_TICKS
 
     for busy in busy_plan:
         time.sleep(0.05)  # the thread's short waits end and begin again between samples
@@ -386,7 +386,7 @@ def test_a_sample_keeps_nothing_alive_of_a_call_that_returned() -> None:
     import weakref
 
     from vllm_mmcache_fix.core.procfs import ThreadCounters
-    from vllm_mmcache_fix.every_process.stall_sentinel.detect import Detector
+    from vllm_mmcache_fix.stall_sentinel.detect import Detector
 
     class Tensor:
         pass

@@ -20,9 +20,9 @@ FACTS = {vllm_layout.MM_CACHE_FACTORY}
 
 OWNERS = {"vllm_layout.py", "catalogue.py"}  # the table itself, and the documentation rows
 CONSUMERS = (
-    "vllm_mmcache_fix.every_process.lru_eviction.locate",
-    "vllm_mmcache_fix.api_server.drift_guard.fix",
-    "vllm_mmcache_fix.api_server.drift_guard.sender",
+    "vllm_mmcache_fix.lru_eviction.locate",
+    "vllm_mmcache_fix.drift_guard.fix",
+    "vllm_mmcache_fix.drift_guard.sender",
     "vllm_mmcache_fix.tools.check",
     "vllm_mmcache_fix.tools.diagnose.rules",
     "vllm_mmcache_fix.tools.diagnose.classify",

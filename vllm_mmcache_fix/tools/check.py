@@ -14,7 +14,7 @@ from importlib import metadata
 from typing import Any
 
 from ..core.settings import ENV_MODE, Mode, read_mode
-from ..every_process.lru_eviction.probe import Exposure, probe
+from ..lru_eviction.probe import Exposure, probe
 from ..vllm_layout import MM_CACHE_FACTORY, PLUGIN_GROUPS, PLUGINS_MODULE_FILE, STRICT_PLUGIN_GROUPS
 
 SCHEMA_VERSION = 1
@@ -186,7 +186,7 @@ def _entry_point_found() -> bool:
 
 
 def _probe_installed(report: CheckReport) -> Exposure | None:
-    from ..every_process.lru_eviction.locate import LayoutNotFound, locate_lru_class
+    from ..lru_eviction.locate import LayoutNotFound, locate_lru_class
 
     try:
         cls = locate_lru_class(import_modules=True)
@@ -199,9 +199,9 @@ def _probe_installed(report: CheckReport) -> Exposure | None:
 def _trial_patch(report: CheckReport) -> bool:
     """Apply the plugin in this process, build one cache through vLLM's factory, revert."""
     from ..core import registry
-    from ..every_process.lru_eviction import cache as fixed_cache
-    from ..every_process.lru_eviction.factory import PATCH_FIX, wrap_factory
-    from ..every_process.lru_eviction.locate import LayoutNotFound, locate_mm_cache_factory
+    from ..lru_eviction import cache as fixed_cache
+    from ..lru_eviction.factory import PATCH_FIX, wrap_factory
+    from ..lru_eviction.locate import LayoutNotFound, locate_mm_cache_factory
 
     try:
         factory = locate_mm_cache_factory(import_modules=True)

@@ -8,11 +8,11 @@ import threading
 import time
 from typing import Any
 
-from ...core import counters, log
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.messages import STALL, STALL_SENTINEL_ACTIVE
-from ...core.process import process_label, process_name
-from ...core.settings import ENV_STALL_SECONDS, Mode, read_mode, read_stall_seconds
+from ..core import counters, log
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.messages import STALL, STALL_SENTINEL_ACTIVE
+from ..core.process import process_label, process_name
+from ..core.settings import ENV_STALL_SECONDS, Mode, read_mode, read_stall_seconds
 from .detect import Detector, Stall
 
 INTERVAL_S = 1.0

@@ -12,8 +12,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ...core import registry
-from ...core.signatures import SignatureMismatch, reader
+from ..core import registry
+from ..core.signatures import SignatureMismatch, reader
 from .locate import FACTORY, CacheFactory
 
 PATCH_FIX = "mm-lru-eviction"

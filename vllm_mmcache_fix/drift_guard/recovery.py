@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from ...core import log
-from ...core.messages import DRIFT_EVENT
-from ...core.process import process_label
-from ...core.signatures import reader
+from ..core import log
+from ..core.messages import DRIFT_EVENT
+from ..core.process import process_label
+from ..core.signatures import reader
 from . import records
 from .records import Attempt
 from .state import ERRORS, STATE

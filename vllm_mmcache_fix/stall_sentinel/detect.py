@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 
-from ...core.procfs import ThreadCounters, read_own_thread
+from ..core.procfs import ThreadCounters, read_own_thread
 
 MIN_CPU_FRACTION = 0.8
 """A stalled thread uses at least this much of one core between two samples..."""

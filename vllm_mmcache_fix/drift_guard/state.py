@@ -6,8 +6,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.guard import InternalErrors
-from ...core.settings import DriftMode
+from ..core.guard import InternalErrors
+from ..core.settings import DriftMode
 
 FIX_ID = "mm-drift-guard"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...core import registry
-from ...core.signatures import require_prefix
-from ...vllm_layout import SENDER_LRU_ATTR
+from ..core import registry
+from ..core.signatures import require_prefix
+from ..vllm_layout import SENDER_LRU_ATTR
 from . import records
 from .context import scope
 from .journal import Shadow

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...core.signatures import reader
+from ..core.signatures import reader
 from . import records
 from .context import scope
 from .journal import Journal

@@ -12,11 +12,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ...core import imports, log, registry
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.process import process_label
-from ...core.settings import Mode, read_health_timeout, read_mode
-from ...vllm_layout import ENGINE_CLIENT_ATTR, ENGINE_DEAD_ERROR, HEALTH_METHOD, HEALTH_TARGET
+from ..core import imports, log, registry
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.process import process_label
+from ..core.settings import Mode, read_health_timeout, read_mode
+from ..vllm_layout import ENGINE_CLIENT_ATTR, ENGINE_DEAD_ERROR, HEALTH_METHOD, HEALTH_TARGET
 from .probe import Liveness
 
 PATCH_ID = "engine-liveness-health"

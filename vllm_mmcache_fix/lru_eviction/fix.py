@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ...core import imports, log, registry
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.messages import REPAIRED
-from ...core.process import process_label
-from ...core.settings import Mode, read_mode
-from ...core.signatures import SignatureMismatch
+from ..core import imports, log, registry
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.messages import REPAIRED
+from ..core.process import process_label
+from ..core.settings import Mode, read_mode
+from ..core.signatures import SignatureMismatch
 from . import cache as fixed_cache
 from . import report
 from .factory import PATCH_FIX, PATCH_OBSERVE, wrap_factory

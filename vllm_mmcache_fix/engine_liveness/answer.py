@@ -12,11 +12,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ...core import imports, log, registry
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.process import process_label, process_name
-from ...core.settings import Mode, read_mode
-from ...vllm_layout import ENGINE_CORE_CLASS, ENGINE_CORE_PROCESS, ENGINE_PING_METHOD
+from ..core import imports, log, registry
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.process import process_label, process_name
+from ..core.settings import Mode, read_mode
+from ..vllm_layout import ENGINE_CORE_CLASS, ENGINE_CORE_PROCESS, ENGINE_PING_METHOD
 
 PATCH_ID = "engine-liveness-answer"
 ANSWER_SCHEMA = 1

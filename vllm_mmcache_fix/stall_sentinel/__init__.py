@@ -1,10 +1,9 @@
 """The stall sentinel — starts only in **EngineCore and the API server**.
 
-Although it lives with the fixes every process loads, it decides by vLLM's
-process name (``EngineCore``/``EngineCore_DP<n>``, the API server's
-``MainProcess``/``ApiServer_<n>``, or the ``VLLM::EngineCore`` /
-``VLLM::APIServer`` process title) and does nothing in workers and other
-helper processes.
+It is installed in every process and decides by vLLM's process name
+(``EngineCore``/``EngineCore_DP<n>``, the API server's ``MainProcess``/``ApiServer_<n>``,
+or the ``VLLM::EngineCore`` / ``VLLM::APIServer`` process title) and does nothing in
+workers and other helper processes.
 
 A daemon thread samples every second ``sys._current_frames()`` and, for each
 Python thread, its CPU time, run-queue time and context switches from

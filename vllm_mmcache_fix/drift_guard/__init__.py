@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...core.settings import ENV_DRIFT, DriftMode, read_drift_mode
+from ..core.settings import ENV_DRIFT, DriftMode, read_drift_mode
 
 __all__ = ["ENV_DRIFT", "DriftMode", "install", "read_drift_mode", "status", "uninstall"]
 
 
 def _guard() -> Any:
-    from ...plugin import DRIFT_GUARD
+    from ..plugin import DRIFT_GUARD
 
     return DRIFT_GUARD
 

@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core import log
-from ...core.messages import ENGINE_ANSWERS_AGAIN, ENGINE_NOT_ANSWERING
-from ...core.process import process_label
-from ...vllm_layout import CLIENT_CALL_UTILITY, CLIENT_ENGINES, CLIENT_INDEX, ENGINE_PING_METHOD
+from ..core import log
+from ..core.messages import ENGINE_ANSWERS_AGAIN, ENGINE_NOT_ANSWERING
+from ..core.process import process_label
+from ..vllm_layout import CLIENT_CALL_UTILITY, CLIENT_ENGINES, CLIENT_INDEX, ENGINE_PING_METHOD
 
 CallUtility = Callable[..., Awaitable[Any]]
 

@@ -6,10 +6,10 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...core import imports
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.settings import Mode, read_mode
-from ...vllm_layout import METRICS_ROUTE_MODULES
+from ..core import imports
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.settings import Mode, read_mode
+from ..vllm_layout import METRICS_ROUTE_MODULES
 from .exporter import Exporter
 
 

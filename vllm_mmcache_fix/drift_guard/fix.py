@@ -7,13 +7,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ...core import imports, log, registry
-from ...core.lifecycle import DidNotEnable, Fix
-from ...core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
-from ...core.process import process_label
-from ...core.settings import DriftMode, read_drift_mode
-from ...core.signatures import SignatureMismatch
-from ...vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
+from ..core import imports, log, registry
+from ..core.lifecycle import DidNotEnable, Fix
+from ..core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
+from ..core.process import process_label
+from ..core.settings import DriftMode, read_drift_mode
+from ..core.signatures import SignatureMismatch
+from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
 from . import processor, records, recovery, sender
 from .state import ERRORS, FIX_ID, STATE
 from .stats import STATS

@@ -5,8 +5,8 @@ Computes messages only; the fix decides when to log them.
 
 from __future__ import annotations
 
-from ...core.messages import ACTIVE, NOT_PROTECTED
-from ...core.process import process_label, vllm_version
+from ..core.messages import ACTIVE, NOT_PROTECTED
+from ..core.process import process_label, vllm_version
 from .probe import Exposure
 
 REMEDIES = (

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...core import log
-from ...core.messages import ROLLBACK
+from ..core import log
+from ..core.messages import ROLLBACK
 from .journal import Journal, Key, Shadow
 from .stats import STATS
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ...vllm_layout import FACTORY_LAYOUTS, FACTORY_WATCHED_MODULES, LRU_MODULES
-from ...vllm_layout import MM_CACHE_FACTORY as FACTORY
+from ..vllm_layout import FACTORY_LAYOUTS, FACTORY_WATCHED_MODULES, LRU_MODULES
+from ..vllm_layout import MM_CACHE_FACTORY as FACTORY
 
 WATCHED_MODULES = FACTORY_WATCHED_MODULES
 

@@ -1,1 +1,0 @@
-"""Fixes that act in the API-server process only."""

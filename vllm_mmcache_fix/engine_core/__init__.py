@@ -1,1 +1,0 @@
-"""Fixes that act in EngineCore's process only."""

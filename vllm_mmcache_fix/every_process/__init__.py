@@ -1,1 +1,0 @@
-"""Fixes that act in every vLLM process: API server, EngineCore, workers."""
