@@ -153,19 +153,32 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         id="engine-liveness-answer",
         fix="engine-liveness-answer",
         runs_in="EngineCore",
-        targets=("vllm.v1.engine.core.EngineCore.mmcache_fix_ping",),
+        targets=(
+            "vllm.v1.engine.core.EngineCore.mmcache_fix_ping",
+            "vllm.v1.engine.core.EngineCoreProc._process_input_queue",
+            "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
+            "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+            "EngineCoreProc.input_queue.put_nowait (each running engine)",
+        ),
         why=(
-            "A utility method EngineCore serves like vLLM's own (read by its input thread, run "
-            "by its busy loop between steps): it answers the API server's /health round trip "
-            "at once, with this process's plugin counters. An EngineCore that is stuck does "
-            "not answer, which is what /health then reports."
+            "vLLM's /health never asks EngineCore, and a utility call waits for the busy loop "
+            "(a long step or utility call delays it). The plugin adds a utility method and, "
+            "when an EngineCoreProc's busy loop starts (in any process model: spawned, forked, "
+            "DP, Ray actors; the class patches are installed in every process), makes its "
+            "input thread answer that method at once through vLLM's own dispatch, with the "
+            "busy loop's state (step, add/abort, utility call, or idle, and since when) and "
+            "the process's plugin counters. Only a dead or spinning input thread leaves it "
+            "unanswered."
         ),
         upstream=(
             "vllm-project/vllm#36451 (ping EngineCore through its input thread, open)",
             "vllm-project/vllm-ascend#14240 (the same for Ascend, open)",
         ),
         affected="every release: /health stays 200 while EngineCore spins (up to 0.33.0)",
-        detection="the class vllm_layout.ENGINE_CORE_CLASS, in a process named EngineCore*",
+        detection=(
+            "the classes vllm_layout.ENGINE_CORE_CLASS and ENGINE_PROC_CLASS with the busy "
+            "loop's methods; acts at the first _process_input_queue of each engine"
+        ),
         removal="when vLLM's /health asks EngineCore itself",
         source_patches=False,
     ),
@@ -173,17 +186,26 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         id="engine-liveness-health",
         fix="engine-liveness-health",
         runs_in="API server",
-        targets=("vllm.v1.engine.async_llm.AsyncLLM.check_health",),
+        targets=(
+            "vllm.v1.engine.async_llm.AsyncLLM.__init__",
+            "vllm.v1.engine.async_llm.AsyncLLM.check_health",
+        ),
         why=(
-            "AsyncLLM.check_health, which /health awaits, raises only once EngineCore has died; "
-            "after vLLM's own check the wrapper also waits (asynchronously, one message per "
-            "engine at most in flight) for every EngineCore to answer mmcache_fix_ping and "
-            "raises an EngineDeadError subclass (503) when one has not answered within "
-            "MMCACHE_FIX_HEALTH_TIMEOUT seconds."
+            "AsyncLLM.check_health, which /health awaits, raises only once EngineCore has died. "
+            "A heartbeat (an asyncio task per engine client, started with AsyncLLM) pings "
+            "every EngineCore every 2 s, at most two pings in flight; check_health runs vLLM's "
+            "check, then reads the heartbeat's verdict without waiting and raises an "
+            "EngineDeadError subclass (503) only for a stuck engine: two pings unanswered, the "
+            "older one for MMCACHE_FIX_HEALTH_TIMEOUT seconds, or an answer saying the busy "
+            "loop has been inside one step (or add/abort) that long. A utility call is healthy "
+            "however long it runs."
         ),
         upstream=("vllm-project/vllm#36451 (open)", "vllm-project/vllm#43941 (the freeze)"),
         affected="every release with AsyncLLM",
-        detection="feature detection (vllm_layout.HEALTH_TARGET, CLIENT_CALL_UTILITY)",
+        detection=(
+            "feature detection (vllm_layout.HEALTH_TARGET; ASYNC_CLIENT_CLASS's "
+            "_call_utility_async must take engine=)"
+        ),
         removal="when vLLM's /health asks EngineCore itself",
         source_patches=False,
     ),
@@ -197,12 +219,16 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         ),
         why=(
             "The plugin's counters (repairs, drift, rollbacks, recoveries, internal errors, "
-            "stalls, the health round trip) as mmcache_fix_* metrics on vLLM's own /metrics; "
-            "nothing of vLLM is patched."
+            "stalls by cause, the heartbeat's round trips and each engine's last-answer age) "
+            "as mmcache_fix_* metrics on vLLM's own /metrics; EngineCore's counters arrive "
+            "with every heartbeat answer; nothing of vLLM is patched."
         ),
         upstream=("vllm-project/vllm#57118 (drift counter, closed unmerged)",),
         affected="every release that serves /metrics with prometheus_client",
-        detection="the import of vllm_layout.METRICS_ROUTE_MODULES, or the first /health",
+        detection=(
+            "the import of vllm_layout.METRICS_ROUTE_MODULES, or the heartbeat's start "
+            "(signals.API_SERVER_SERVING)"
+        ),
         removal="never needed by vLLM; remove with the fixes whose counters it exports",
         source_patches=False,
     ),

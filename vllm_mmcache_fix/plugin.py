@@ -32,6 +32,7 @@ ENGINE_HEALTH = EngineHealth()
 METRICS = PluginMetrics(
     lambda: counts(),
     lambda: ENGINE_HEALTH.liveness.engine_counts() if ENGINE_HEALTH.liveness else None,
+    lambda: ENGINE_HEALTH.liveness.ages() if ENGINE_HEALTH.liveness else None,
 )
 STALL_SENTINEL = StallSentinelFix()
 
@@ -75,7 +76,7 @@ def uninstrument() -> None:
 
 def counts() -> dict[str, int]:
     """This process's counters as plain numbers: what ``/metrics`` exports (and what
-    EngineCore sends back with the liveness round trip)."""
+    EngineCore sends with each answer to the heartbeat)."""
     repairs = lru_cache.STATS.as_dict()
     drift = DRIFT_STATS.as_dict()
     return {
@@ -87,7 +88,8 @@ def counts() -> dict[str, int]:
         "recoveries": drift["recoveries"],
         "recovery_failures": drift["recovery_failures"],
         "internal_errors": sum(fix.errors.total for fix in FIXES),
-        "stalls": counters.stalls(),
+        "stalls_cache_eviction": counters.stalls(counters.STALL_CACHE_EVICTION),
+        "stalls_busy": counters.stalls(counters.STALL_BUSY),
     }
 
 

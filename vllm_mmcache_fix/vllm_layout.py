@@ -147,7 +147,39 @@ ENGINE_CORE_CLASS = ClassLayout("vllm.v1.engine.core", "EngineCore", "0.10.0+")
 after the input thread has read the message (0.23.0, 0.27.1, 0.32.0)."""
 
 ENGINE_PING_METHOD = "mmcache_fix_ping"
-"""The utility method the plugin adds to EngineCore in EngineCore's process."""
+"""The utility method the plugin adds to EngineCore (every process: a forked EngineCore inherits
+the class). EngineCore's input thread answers it (see ``ENGINE_PROC_CLASS``); the busy loop
+answers it too, when a ping reaches it before the input thread is hooked."""
+
+ENGINE_PROC_CLASS = ClassLayout("vllm.v1.engine.core", "EngineCoreProc", "0.10.0+")
+"""The EngineCore that runs in its own process (a busy loop fed by an input thread). Every
+process model builds one: spawned and forked ``EngineCore``/``EngineCore_DP<N>`` processes
+(``DPEngineCoreProc`` subclasses it) and Ray's ``EngineCoreActor``/``DPMoEEngineCoreActor``
+(mixins over it); the in-process engine (``InprocClient``) never does. Checked on every
+release's ``core.py`` (0.10.0-0.33.0) by the realsrc tier."""
+
+BUSY_LOOP_INPUT = "_process_input_queue"
+"""``EngineCoreProc._process_input_queue()``: called by the busy loop (``run_busy_loop``, and
+``DPEngineCoreProc.run_busy_loop``) before every step; defined on ``EngineCoreProc`` only. The
+plugin adopts the engine at its first call: in a spawned EngineCore the plugin is loaded only
+inside ``EngineCore.__init__``, so a wrapper of ``__init__`` would miss the running one."""
+BUSY_LOOP_STEP = "_process_engine_step"
+"""``EngineCoreProc._process_engine_step()``: one engine step (schedule, execute, outputs)."""
+BUSY_LOOP_DISPATCH = "_handle_client_request"
+"""``EngineCoreProc._handle_client_request(request_type, request)``: the busy loop runs one
+request from the input queue (``DPEngineCoreProc`` overrides it and calls it for everything
+but ``START_DP_WAVE``). For a utility call it looks the method up by name, runs it, and puts the
+reply on the thread-safe output queue."""
+ENGINE_INPUT_QUEUE = "input_queue"
+"""``EngineCoreProc.input_queue`` (a ``queue.Queue``): the input thread
+(``process_input_sockets``) hands every request to the busy loop with
+``self.input_queue.put_nowait((request_type, request))``."""
+REQUEST_TYPE_ADD = "ADD"
+REQUEST_TYPE_ABORT = "ABORT"
+REQUEST_TYPE_UTILITY = "UTILITY"
+"""Names of ``EngineCoreRequestType`` members (their values are one byte each)."""
+UTILITY_METHOD_INDEX = 2
+"""A utility request is ``(client_index, call_id, method_name, args)``."""
 
 HEALTH_TARGET = ClassLayout("vllm.v1.engine.async_llm", "AsyncLLM", "0.10.0+")
 """``/health`` (``vllm/entrypoints/serve/instrumentator/health.py`` in 0.23.0-0.32.0) awaits
@@ -155,12 +187,18 @@ HEALTH_TARGET = ClassLayout("vllm.v1.engine.async_llm", "AsyncLLM", "0.10.0+")
 EngineCore is dead (``errored``), and the handler answers 503 for ``EngineDeadError``."""
 
 HEALTH_METHOD = "check_health"
+CLIENT_OWNER_INIT = "__init__"
+"""``AsyncLLM.__init__`` builds the engine client (``self.engine_core``); inside a running event
+loop (``vllm serve`` builds it in uvicorn's loop) the heartbeat starts there."""
 
 ENGINE_DEAD_ERROR = ("vllm.v1.engine.exceptions", "EngineDeadError")
 """The exception ``/health`` turns into 503 (any other one becomes a 500)."""
 
 ENGINE_CLIENT_ATTR = "engine_core"
 """``AsyncLLM.engine_core``: the client (``AsyncMPClient`` and its DP subclasses)."""
+ASYNC_CLIENT_CLASS = ClassLayout("vllm.v1.engine.core_client", "AsyncMPClient", "0.10.0+")
+"""The async engine client; its ``_call_utility_async`` is checked for ``engine=`` at patch
+time (imported with ``async_llm``)."""
 CLIENT_CALL_UTILITY = "_call_utility_async"
 """``AsyncMPClient._call_utility_async(method, *args, engine=identity)``: one engine's utility
 call (the public ``call_utility_async`` of the DP-LB client goes to every engine)."""
@@ -168,6 +206,10 @@ CLIENT_ENGINES = "core_engines"
 """``MPClient.core_engines``: the engine identities, DP rank order."""
 CLIENT_INDEX = "client_index"
 """``AsyncMPClient.client_index``: which API server this is (0 with one API server)."""
+CLIENT_ENGINE_PARAM = "engine"
+"""The keyword of ``_call_utility_async`` that picks one engine (0.10.2-0.32.0)."""
+CLIENT_RESOURCES = ("resources", "engine_dead")
+"""``MPClient.resources.engine_dead``: True once vLLM saw EngineCore die (0.10.2-0.32.0)."""
 
 METRICS_ROUTE_MODULES: tuple[str, ...] = ("vllm.entrypoints.serve.instrumentator.metrics",)
 """Imported when the API server attaches ``/metrics`` (0.23.0, 0.27.1, 0.32.0): the plugin's

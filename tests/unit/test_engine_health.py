@@ -1,57 +1,108 @@
-"""The /health round trip's logic, against a stand-in engine client (asyncio only)."""
+"""The heartbeat's rules and ``/health``'s wrapper, against a stand-in engine client.
+
+Pure logic (asyncio only): the real classes are exercised in tests/installed and on real
+servers in tests/e2e. Ticks are driven by hand with the times a test chooses, except where
+the event loop's own timing is the point.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import types
 from typing import Any
 
 import pytest
 
-from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, read_health_timeout
+from vllm_mmcache_fix.core import signals
+from vllm_mmcache_fix.core.messages import (
+    ENGINE_ANSWERS_AGAIN,
+    ENGINE_CHECK_OFF,
+    ENGINE_LOOP_STUCK,
+    ENGINE_NOT_ANSWERING,
+)
+from vllm_mmcache_fix.core.settings import (
+    DEFAULT_HEALTH_TIMEOUT,
+    MIN_HEALTH_TIMEOUT,
+    read_health_timeout,
+)
 from vllm_mmcache_fix.engine_liveness import health as health_fix
-from vllm_mmcache_fix.engine_liveness.probe import Liveness, engine_name
+from vllm_mmcache_fix.engine_liveness import heartbeat as hb
+from vllm_mmcache_fix.engine_liveness.heartbeat import Heartbeat, Liveness, engine_name
 from vllm_mmcache_fix.vllm_layout import ENGINE_PING_METHOD
+
+TIMEOUT = 10.0
+
+
+def reply(state: str = "idle", for_s: float = 0.0, detail: str = "", **extra: Any) -> dict:
+    return {
+        "schema": 2,
+        "pid": 1,
+        "via": "input thread",
+        "input_thread": True,
+        "loop": {"state": state, "detail": detail, "for_s": for_s},
+        "counts": {"ghost_keys_dropped": 2, "protected": 1},
+        **extra,
+    }
 
 
 class Client:
-    """Answers ``_call_utility_async`` after ``delay`` seconds (None: never)."""
+    """``_call_utility_async`` answers with ``self.answer`` (a dict, an exception, or None:
+    held until :meth:`release`)."""
 
-    def __init__(self, delay: float | None, engines: int = 1, client_index: int = 0) -> None:
-        self.delay = delay
+    def __init__(self, engines: int = 1, client_index: int = 0, answer: Any = None) -> None:
         self.core_engines = [f"e{i}".encode() for i in range(engines)]
         self.client_index = client_index
+        self.answer = reply() if answer is None else answer
+        self.hold = False
         self.calls: list[tuple[str, Any]] = []
-        self._release: asyncio.Event | None = None
-
-    @property
-    def release(self) -> asyncio.Event:
-        # Made inside the running loop: on Python 3.9 an Event binds to a loop when built.
-        if self._release is None:
-            self._release = asyncio.Event()
-        return self._release
+        self.held: list[tuple[asyncio.Future[Any], Any]] = []
+        self.resources = types.SimpleNamespace(engine_dead=False)
 
     async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:
         self.calls.append((method, engine))
-        if self.delay is None:
-            await self.release.wait()
-        else:
-            await asyncio.sleep(self.delay)
-        return {"schema": 1, "pid": 1, "counts": {"ghost_keys_dropped": 2, "protected": 1}}
+        if self.hold:
+            future = asyncio.get_running_loop().create_future()
+            self.held.append((future, engine))
+            return await future
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def release(self, answer: Any = None) -> None:
+        for future, _ in self.held:
+            if not future.done():
+                future.set_result(reply() if answer is None else answer)
+        self.held.clear()
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_timeout_setting() -> None:
-    assert read_health_timeout({}).value == DEFAULT_HEALTH_TIMEOUT
-    assert read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "2.5"}).value == 2.5
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def records(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_timeout_default_floor_and_off() -> None:
+    assert read_health_timeout({}).value == DEFAULT_HEALTH_TIMEOUT == 60.0
     assert read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "0"}).value == 0
-    for bad in ("-1", "abc", "nan", "inf"):
+    assert read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "5"}).value == MIN_HEALTH_TIMEOUT
+    assert read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "120"}).value == 120
+    for bad in ("0.001", "4.9", "-1", "abc", "nan", "inf"):
         setting = read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": bad})
         assert setting.value == DEFAULT_HEALTH_TIMEOUT and setting.problem, bad
-        assert "MMCACHE_FIX_HEALTH_TIMEOUT" in setting.problem
+        assert "MMCACHE_FIX_HEALTH_TIMEOUT" in setting.problem, bad
+    assert "floor" in (read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "0.001"}).problem or "")
 
 
 def test_engine_names_follow_vllm() -> None:
@@ -59,104 +110,273 @@ def test_engine_names_follow_vllm() -> None:
     assert [engine_name(i, 2) for i in range(2)] == ["EngineCore_DP0", "EngineCore_DP1"]
 
 
-def test_a_slow_answer_under_the_timeout_passes() -> None:
-    seen: list[float] = []
-    names: list[str] = []
-    liveness = Liveness(1.0, on_round_trip=lambda e, s: (names.append(e), seen.append(s)))
-    client = Client(delay=0.6)
-    assert run(liveness.check(client)) is None
-    assert client.calls == [(ENGINE_PING_METHOD, b"e0")]
-    assert len(seen) == 1 and 0.55 < seen[0] < 1.0
-    assert names == ["EngineCore"]
-    assert liveness.engine_counts() == [{"ghost_keys_dropped": 2, "protected": 1}]
+# -- the rules -----------------------------------------------------------------------------
 
 
-def test_no_answer_fails_within_the_timeout_and_names_the_engine(
+def test_a_healthy_engine_is_pinged_every_interval_and_its_counts_kept() -> None:
+    answered: list[tuple[str, float]] = []
+
+    async def go() -> tuple[Heartbeat, Client]:
+        client = Client(engines=2)
+        beat = Heartbeat(client, TIMEOUT, lambda e, s: answered.append((e, s)))
+        for now in (0.0, 1.0, 2.0, 3.0, 4.0):
+            beat.tick(client, now, responsive=True)
+            await settle()
+        return beat, client
+
+    beat, client = run(go())
+    # t=0, 2, 4: three pings per engine, never more than one waiting
+    assert client.calls == [(ENGINE_PING_METHOD, b"e0"), (ENGINE_PING_METHOD, b"e1")] * 3
+    assert [e for e, _ in answered] == ["EngineCore_DP0", "EngineCore_DP1"] * 3
+    assert beat.verdict() == []
+    assert beat.beats[0].counts == {"ghost_keys_dropped": 2, "protected": 1}
+    assert beat.beats[0].loop == {"state": "idle", "detail": "", "for_s": 0.0}
+
+
+def test_silence_is_judged_on_two_pings_past_the_timeout_and_clears_on_an_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    failed: list[str] = []
-    liveness = Liveness(0.3, on_failure=failed.append)
-    client = Client(delay=None, engines=2)
+    async def go() -> dict[str, Any]:
+        client = Client()
+        client.hold = True
+        beat = Heartbeat(client, TIMEOUT, clock=lambda: 100.0)
+        seen: dict[str, Any] = {}
+        beat.tick(client, 0.0, responsive=True)
+        beat.tick(client, TIMEOUT / 2 - 0.5, responsive=True)
+        seen["pings_before_half"] = len(beat.beats[0].pending)
+        beat.tick(client, TIMEOUT / 2, responsive=True)  # the confirming ping
+        beat.tick(client, TIMEOUT, responsive=True)
+        seen["stuck_at_timeout"] = beat.verdict()
+        beat.tick(client, TIMEOUT + 0.5, responsive=False)  # a late tick never judges
+        seen["stuck_late_tick"] = beat.verdict()
+        beat.tick(client, TIMEOUT + 1.0, responsive=True)
+        seen["stuck"] = [b.stuck for b in beat.verdict()]
+        for now in (TIMEOUT + 2, TIMEOUT + 3, TIMEOUT + 30):
+            beat.tick(client, now, responsive=True)
+        await settle()
+        seen["pings"] = len(client.calls)  # at most two in flight, however long
+        client.release()
+        await settle()
+        seen["after_answer"] = beat.verdict()
+        return seen
 
-    async def go() -> tuple[str | None, float, str | None, float]:
-        t0 = time.monotonic()
-        first = await liveness.check(client)
-        took = time.monotonic() - t0
-        t1 = time.monotonic()
-        second = await liveness.check(client)  # the same calls are still in flight
-        return first, took, second, time.monotonic() - t1
-
-    with caplog.at_level("WARNING", logger="vllm.mmcache_fix"):
-        first, took, second, took2 = run(go())
-    assert first is not None and "EngineCore_DP0" in first and "EngineCore_DP1" in first
-    assert "since" not in first or "sent at" in first
-    assert 0.29 < took < 1.0
-    assert second is not None and took2 < 0.1  # fails at once: no new wait, no new message
-    assert len(client.calls) == 2  # one message per engine, however often /health asks
-    assert failed == ["EngineCore_DP0", "EngineCore_DP1"] * 2
-    warnings = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
-    assert len(warnings) == 2  # one per engine and stall, not one per check
-    assert "round trip sent at" in warnings[0] and "UTC" in warnings[0]
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        seen = run(go())
+    assert seen["pings_before_half"] == 1
+    assert seen["stuck_at_timeout"] == [] and seen["stuck_late_tick"] == []
+    assert len(seen["stuck"]) == 1 and "EngineCore has not answered for 11.0 s" in seen["stuck"][0]
+    assert "2 pings sent since" in seen["stuck"][0] and "input thread" in seen["stuck"][0]
+    assert seen["pings"] == 2
+    assert seen["after_answer"] == []
+    assert len(records(caplog, ENGINE_NOT_ANSWERING)) == 1  # one WARNING per stall
+    assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 1
 
 
-def test_an_engine_that_answers_late_passes_again(caplog: pytest.LogCaptureFixture) -> None:
-    liveness = Liveness(0.2)
-    client = Client(delay=None)
+def test_one_lost_answer_is_not_a_dead_thread() -> None:
+    async def go() -> tuple[list, int]:
+        client = Client()
+        client.hold = True
+        beat = Heartbeat(client, TIMEOUT)
+        beat.tick(client, 0.0, responsive=True)
+        await settle()
+        lost = client.held.pop()  # this answer never comes
+        beat.tick(client, TIMEOUT / 2, responsive=True)
+        await settle()
+        client.release()
+        await settle()
+        beat.tick(client, TIMEOUT + 5, responsive=True)
+        del lost
+        return beat.verdict(), len(beat.beats[0].pending)
 
-    async def go() -> tuple[str | None, str | None]:
-        failing = await liveness.check(client)
-        client.release.set()
+    stuck, pending = run(go())
+    assert stuck == [] and pending <= 1
+
+
+def test_a_long_utility_call_is_healthy_and_a_long_step_is_stuck(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> list[list[str | None]]:
+        client = Client()
+        beat = Heartbeat(client, TIMEOUT)
+        out: list[list[str | None]] = []
+        script = [
+            reply("utility", 3 * TIMEOUT, "reset_prefix_cache"),
+            reply("step", TIMEOUT - 1),
+            reply("step", TIMEOUT + 1),
+            reply("add", TIMEOUT + 3),
+            reply("idle", 0.0),
+        ]
+        for i, answer in enumerate(script):
+            client.answer = answer
+            beat.tick(client, 2.0 * i, responsive=True)
+            await settle()
+            out.append([b.stuck for b in beat.verdict()])
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        out = run(go())
+    assert out[0] == [] and out[1] == []
+    assert len(out[2]) == 1 and "busy loop has been inside one step for 11.0 s" in str(out[2][0])
+    assert "add for 13.0 s" in str(out[3][0])
+    assert out[4] == []
+    assert len(records(caplog, ENGINE_LOOP_STUCK)) == 1
+    assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 1
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (Exception("Call to mmcache_fix_ping method failed: no attribute"), "its ping failed"),
+        (reply(input_thread=False, via="busy loop"), "busy loop only"),
+        ({"schema": 1, "pid": 3, "counts": {}}, "busy loop only"),
+        ("pong", "answered str"),
+    ],
+)
+def test_an_engine_that_cannot_answer_is_turned_off_once(
+    answer: Any, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def go() -> tuple[Heartbeat, Client]:
+        client = Client(answer=answer)
+        beat = Heartbeat(client, TIMEOUT)
+        for now in range(0, 40, 2):
+            beat.tick(client, float(now), responsive=True)
+            await settle()
+        return beat, client
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat, client = run(go())
+    assert len(client.calls) == 1  # never asked again
+    assert beat.verdict() == [] and beat.beats[0].off and why in beat.beats[0].off
+    warnings = records(caplog, ENGINE_CHECK_OFF)
+    assert len(warnings) == 1 and "EngineCore" in warnings[0]
+    assert beat.beats[0].counts is None  # an error is never an answer
+
+
+def test_a_client_without_engine_param_is_off_before_any_ping(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class OldClient(Client):
+        async def _call_utility_async(self, method: str, *args: Any) -> Any:  # type: ignore[override]
+            raise AssertionError("must not be called")
+
+    async def go() -> Heartbeat:
+        client = OldClient()
+        beat = Heartbeat(client, TIMEOUT)
+        beat.tick(client, 0.0, responsive=True)
+        await settle()
+        return beat
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat = run(go())
+    assert "engine=" in (beat.beats[0].off or "")
+    assert len(records(caplog, ENGINE_CHECK_OFF)) == 1
+
+
+def test_a_dead_engine_stops_the_heartbeat_and_leaves_health_to_vllm() -> None:
+    async def go() -> Heartbeat:
+        client = Client()
+        client.hold = True
+        beat = Heartbeat(client, TIMEOUT)
+        beat.tick(client, 0.0, responsive=True)
+        beat.tick(client, TIMEOUT / 2, responsive=True)
+        beat.tick(client, TIMEOUT + 1, responsive=True)
+        assert beat.verdict()
+        client.resources.engine_dead = True
+        beat.start()
         await asyncio.sleep(0.05)
-        client.delay = 0.0
-        return failing, await liveness.check(client)
+        return beat
 
-    with caplog.at_level("WARNING", logger="vllm.mmcache_fix"):
-        failing, again = run(go())
-    assert failing is not None and again is None
-    assert any("answers again" in r.getMessage() for r in caplog.records)
+    beat = run(go())
+    assert beat.stopped is not None and "dead" in beat.stopped
+    assert beat.verdict() == []
 
 
-def test_the_check_never_blocks_the_event_loop() -> None:
-    liveness = Liveness(0.5)
-    client = Client(delay=None)
+def test_a_blocked_event_loop_is_not_taken_for_a_silent_engine(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API server's own loop blocked longer than the timeout (a long call in the request
+    path) while two pings wait: their answers arrived meanwhile and wait unread (a socket read,
+    vLLM's decoding, then the future: several loop turns). The first tick after the block must
+    not judge them."""
+    monkeypatch.setattr(hb, "TICK_S", 0.05)
+    monkeypatch.setattr(hb, "MAX_LAG_S", 0.05)
 
-    async def go() -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.ensure_future(ticker())
-        await liveness.check(client)
-        task.cancel()
-        return ticks
-
-    assert run(go()) >= 20  # ~50 ticks of 10 ms while the check waited 0.5 s
-
-
-def test_an_error_answer_means_alive() -> None:
-    class Failing(Client):
+    class Slow(Client):
         async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:
-            raise Exception("Call to utility method failed")
+            self.calls.append((method, engine))
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
 
-    liveness = Liveness(0.5)
-    client = Failing(0.0)
-    assert run(liveness.check(client)) is None
-    assert "utility method failed" in (liveness.status()[0]["error"] or "")
+            def hop(n: int) -> None:
+                if n:
+                    loop.call_soon(hop, n - 1)
+                elif not future.done():
+                    future.set_result(reply())
+
+            loop.call_later(0.2, hop, 3)  # EngineCore's answer, then the client's own turns
+            return await future
+
+    async def go() -> Heartbeat:
+        client = Slow()
+        beat = Heartbeat(client, 0.3)
+        beat.start()
+        await asyncio.sleep(0.17)  # the first ping and the confirming one are out
+        assert len(beat.beats[0].pending) == 2
+        time.sleep(1.0)  # the loop blocked: both answers are due meanwhile
+        await asyncio.sleep(0.3)
+        beat.stop("done")
+        return beat
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat = run(go())
+    assert beat.beats[0].answers >= 2
+    assert records(caplog, ENGINE_NOT_ANSWERING) == []
 
 
-def test_only_the_first_api_server_exports_engine_counts() -> None:
-    liveness = Liveness(0.5)
-    run(liveness.check(Client(0.0, client_index=1)))
-    assert liveness.engine_counts() is None
+def test_ages_counts_only_from_the_first_api_server_and_elastic_engines() -> None:
+    async def go() -> tuple[Liveness, Client]:
+        liveness = Liveness(TIMEOUT)
+        first, second = Client(engines=1), Client(client_index=1)
+        for client in (first, second):
+            beat = liveness.attach(client)
+            assert beat is not None
+            beat.tick(client, 0.0, responsive=True)
+        await settle()
+        first.core_engines.append(b"e1")  # a new engine (elastic DP)
+        liveness.heartbeats[first].tick(first, 2.0, responsive=True)
+        await settle()
+        for beat in liveness._all():
+            beat.stop("done")
+        return liveness, first
+
+    liveness, first = run(go())
+    assert liveness.engine_counts() == [{"ghost_keys_dropped": 2, "protected": 1}] * 2
+    assert [b.name for b in liveness.heartbeats[first].beats] == [
+        "EngineCore_DP0",
+        "EngineCore_DP1",
+    ]
+    assert liveness.ages() == {}  # stopped heartbeats export no age
+    assert Liveness(TIMEOUT).attach(object()) is None  # no engine processes: nothing to ask
 
 
-def test_the_wrapper_raises_vllms_engine_dead_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ages_are_nan_where_the_check_is_off() -> None:
+    async def go() -> dict[str, float]:
+        liveness = Liveness(TIMEOUT)
+        client = Client(answer=Exception("Call to mmcache_fix_ping method failed"))
+        liveness.attach(client)
+        await asyncio.sleep(0.05)
+        return liveness.ages()
+
+    ages = run(go())
+    assert list(ages) == ["EngineCore"] and ages["EngineCore"] != ages["EngineCore"]
+
+
+# -- /health -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine_dead_error(monkeypatch: pytest.MonkeyPatch) -> type:
     import sys
-    import types
 
     module = types.ModuleType("vllm.v1.engine.exceptions")
 
@@ -165,44 +385,87 @@ def test_the_wrapper_raises_vllms_engine_dead_error(monkeypatch: pytest.MonkeyPa
 
     module.EngineDeadError = EngineDeadError  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", module)
+    return EngineDeadError
+
+
+def _fix(timeout: float = TIMEOUT) -> health_fix.EngineHealth:
     fix = health_fix.EngineHealth()
-    fix.liveness = Liveness(0.2)
-    vllm_checked: list[bool] = []
+    fix.timeout = timeout
+    fix.liveness = Liveness(timeout, guard=fix._beat_site)
+    return fix
+
+
+def test_health_reads_the_verdict_at_once_after_vllms_own_check(engine_dead_error: type) -> None:
+    fix = _fix()
+    order: list[str] = []
+    serving: list[bool] = []
+    signals.API_SERVER_SERVING.connect(lambda: serving.append(True))
 
     async def original(self: Any) -> None:
-        vllm_checked.append(True)
+        order.append("vllm")
 
     wrapped = health_fix.wrap_check_health(fix, original)
-    engine = types.SimpleNamespace(engine_core=Client(delay=None))
-    with pytest.raises(EngineDeadError, match="EngineCore has not answered"):
-        run(wrapped(engine))
-    assert vllm_checked == [True]
-    engine_ok = types.SimpleNamespace(engine_core=Client(delay=0.0))
-    fix.liveness = Liveness(0.2)
-    assert run(wrapped(engine_ok)) is None
-    # A client without utility calls (in-process engine): vLLM's answer only.
-    assert run(wrapped(types.SimpleNamespace(engine_core=object()))) is None
+
+    async def go() -> tuple[Any, float, Any]:
+        client = Client()
+        client.hold = True
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        first = await wrapped(engine)
+        beat = fix.liveness.heartbeats[client]  # type: ignore[union-attr]
+        beat.tick(client, 0.0, responsive=True)
+        beat.tick(client, TIMEOUT / 2, responsive=True)
+        beat.tick(client, TIMEOUT + 1, responsive=True)
+        t0 = time.perf_counter()
+        try:
+            await wrapped(engine)
+            failed = None
+        except Exception as exc:
+            failed = exc
+        took = time.perf_counter() - t0
+        beat.stop("done")
+        return first, took, failed
+
+    try:
+        first, took, failed = run(go())
+    finally:
+        signals.API_SERVER_SERVING._receivers = ()
+    assert first is None and order == ["vllm", "vllm"]
+    assert isinstance(failed, engine_dead_error) and "has not answered" in str(failed)
+    assert took < 0.05  # read, never awaited
+    assert serving == [True]
 
 
-def test_an_internal_error_in_the_round_trip_leaves_vllms_answer(
-    caplog: pytest.LogCaptureFixture,
+def test_health_without_engine_processes_or_outside_a_loop_is_vllms(
+    engine_dead_error: type,
 ) -> None:
-    import types
-
-    fix = health_fix.EngineHealth()
-
-    class Broken(Liveness):
-        async def check(self, client: Any) -> str | None:
-            raise ValueError("broken bookkeeping")
-
-    fix.liveness = Broken(0.2)
+    fix = _fix()
 
     async def original(self: Any) -> None:
         return None
 
     wrapped = health_fix.wrap_check_health(fix, original)
-    engine = types.SimpleNamespace(engine_core=Client(delay=0.0))
-    with caplog.at_level("WARNING", logger="vllm.mmcache_fix"):
-        assert run(wrapped(engine)) is None
-    assert fix.switched_off is not None
-    assert fix.errors.total == 1
+    assert run(wrapped(types.SimpleNamespace(engine_core=object()))) is None
+    engine = types.SimpleNamespace(engine_core=Client())
+    fix.attach(engine)  # no running loop: nothing starts
+    assert not fix.liveness.heartbeats  # type: ignore[union-attr]
+    assert run(wrapped(engine)) is None  # started at the first check instead
+    assert len(fix.liveness.heartbeats) == 1  # type: ignore[union-attr]
+
+
+def test_an_internal_error_leaves_vllms_answer(caplog: pytest.LogCaptureFixture) -> None:
+    fix = _fix()
+
+    class Broken(Liveness):
+        def attach(self, client: Any) -> Any:
+            raise ValueError("broken bookkeeping")
+
+    fix.liveness = Broken(TIMEOUT)
+
+    async def original(self: Any) -> None:
+        return None
+
+    wrapped = health_fix.wrap_check_health(fix, original)
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        assert run(wrapped(types.SimpleNamespace(engine_core=Client()))) is None
+    assert fix.switched_off is not None and fix.errors.total == 1

@@ -16,7 +16,8 @@ LOCAL = {
     "recoveries": 2,
     "recovery_failures": 0,
     "internal_errors": 0,
-    "stalls": 0,
+    "stalls_cache_eviction": 0,
+    "stalls_busy": 0,
 }
 
 
@@ -46,11 +47,16 @@ def test_counters_move_by_their_increase_only() -> None:
 
 def test_engine_counts_are_summed_and_a_restart_is_not_negative() -> None:
     deltas = Deltas()
-    engines = [{"protected": 1, "ghost_keys_dropped": 5}, {"protected": 0, "stalls": 1}]
-    got = as_map(plan(deltas, LOCAL, engines))
+    engines = [
+        {"protected": 1, "ghost_keys_dropped": 5},
+        {"protected": 0, "stalls_cache_eviction": 1, "stalls_busy": 3},
+    ]
+    got = as_map(plan(deltas, LOCAL, engines, {"EngineCore_DP0": 1.5}))
     core = (("process", "engine_core"),)
     assert got[(n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")] == 5
-    assert got[(n.STALLS, core, "inc")] == 1
+    assert got[(n.STALLS, core + (("cause", n.CAUSE_CACHE_EVICTION),), "inc")] == 1
+    assert got[(n.STALLS, core + (("cause", n.CAUSE_BUSY),), "inc")] == 3
+    assert got[(n.ENGINE_LAST_ANSWER_AGE, (("engine", "EngineCore_DP0"),), "set")] == 1.5
     assert got[(n.PROTECTED_PROCESSES, (("kind", "engine_core"),), "set")] == 1
     restarted = as_map(plan(deltas, LOCAL, [{"ghost_keys_dropped": 2}]))
     assert restarted[(n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")] == 2
@@ -60,7 +66,7 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     prom = pytest.importorskip("prometheus_client")
     engines = [{"protected": 1, "ghost_keys_dropped": 7}]
     errors: list[BaseException] = []
-    exporter = Exporter(lambda: LOCAL, lambda: engines, errors.append)
+    exporter = Exporter(lambda: LOCAL, lambda: engines, errors.append, lambda: {"EngineCore": 2})
     try:
         exporter.start()
         exporter.observe_round_trip("EngineCore", 0.004)
@@ -78,7 +84,50 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     assert 'mmcache_fix_protected_processes{kind="api_server"} 1.0' in text
     assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 1.0' in text
     assert "mmcache_fix_engine_round_trip_seconds_count 1.0" in text
+    assert 'mmcache_fix_engine_last_answer_age_seconds{engine="EngineCore"} 2.0' in text
+    assert 'mmcache_fix_stalls_total{cause="busy",process="api_server"} 0.0' in text
     assert "mmcache_fix_" not in prom.generate_latest(prom.REGISTRY).decode()
+
+
+def test_a_failed_sync_is_retried_and_only_a_long_run_stops_the_exporter() -> None:
+    """A race in the plugin's own counters (a dict read while another thread adds a key)
+    made the first failed sync stop the exporter for good."""
+    pytest.importorskip("prometheus_client")
+    import prometheus_client as prom
+
+    from vllm_mmcache_fix.metrics import exporter as exporter_mod
+
+    reads = [0]
+    value = [3]
+
+    def local() -> dict:
+        reads[0] += 1
+        if reads[0] in (2, 3):
+            raise RuntimeError("dictionary changed size during iteration")
+        return {**LOCAL, "rollbacks": value[0]}
+
+    gave_up: list[BaseException] = []
+    exporter = Exporter(local, lambda: None, gave_up.append)
+    try:
+        exporter.start()  # read 1
+        value[0] = 5
+        exporter.sync()  # read 2 fails
+        exporter.sync()  # read 3 fails
+        exporter.sync()  # read 4: the increase of the failed ones is not lost
+        text = prom.generate_latest(prom.REGISTRY).decode()
+        assert "mmcache_fix_rollbacks_total 5.0" in text, text
+        assert exporter.failed_syncs == 2 and not gave_up
+        assert not exporter._stop.is_set()
+
+        def broken() -> dict:
+            raise RuntimeError("persistent")
+
+        exporter.local = broken
+        for _ in range(exporter_mod.MAX_FAILED_SYNCS):
+            exporter.sync()
+        assert len(gave_up) == 1 and exporter._stop.is_set()
+    finally:
+        exporter.unregister()
 
 
 MULTIPROCESS = r"""
@@ -86,7 +135,8 @@ import json, os, sys
 from vllm_mmcache_fix.metrics.exporter import Exporter
 counts = json.loads(sys.argv[1])
 engines = json.loads(sys.argv[2])
-exporter = Exporter(lambda: counts, lambda: engines, print)
+ages = json.loads(sys.argv[3])
+exporter = Exporter(lambda: counts, lambda: engines, print, lambda: ages)
 exporter.start()
 exporter.observe_round_trip("EngineCore", 0.01)
 exporter.stop()
@@ -113,9 +163,17 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
     first = json.dumps([{"protected": 1, "ghost_keys_dropped": 4}])
-    for engines in (first, "null"):  # only the first API server exports EngineCore's counts
+    # Only the first API server exports EngineCore's counts; each has its own view of the age.
+    for engines, age in ((first, 1.5), ("null", 40.0)):
         subprocess.run(
-            [sys.executable, "-c", MULTIPROCESS, json.dumps(LOCAL), engines],
+            [
+                sys.executable,
+                "-c",
+                MULTIPROCESS,
+                json.dumps(LOCAL),
+                engines,
+                json.dumps({"EngineCore": age}),
+            ],
             env=env,
             check=True,
             timeout=60,
@@ -141,3 +199,23 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
     for spec in n.METRICS:
         assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, text)
     assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 0.0' in text, text
+    # The freshest answer any API server got (livemin), not a sum of ages.
+    assert 'mmcache_fix_engine_last_answer_age_seconds{engine="EngineCore"} 1.5' in text, text
+
+
+def test_the_internal_error_total_is_read_under_the_lock_record_takes() -> None:
+    """``record()`` adds a site under its lock; ``total`` must not sum the dict meanwhile."""
+    import threading
+
+    from vllm_mmcache_fix.core.guard import InternalErrors
+
+    errors = InternalErrors("test", lambda where, exc: None)
+    errors.counts["a"] = 1
+    got: list[int] = []
+    with errors._lock:  # a record() in progress
+        reader = threading.Thread(target=lambda: got.append(errors.total))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and got == []
+    reader.join(5)
+    assert got == [1]

@@ -2,7 +2,9 @@
 
 Each case runs a small Python program in a subprocess that installs the
 sentinel as the plugin does (``StallSentinelFix().install()``, threshold from
-``MMCACHE_FIX_STALL_SECONDS``), with the plugin's logger writing to stderr.
+``MMCACHE_FIX_STALL_SECONDS``), with the plugin's logger writing to stderr, and then
+identifies the process as an API server as the engine heartbeat does
+(``signals.API_SERVER_SERVING``): the sentinel runs only where a process is identified.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from typing import Any
 import pytest
 
 from harness.paths import REPO_ROOT
-from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX, STALL, STALL_SENTINEL_ACTIVE
+from vllm_mmcache_fix.core.messages import (
+    BUSY,
+    INTERNAL_ERROR,
+    PREFIX,
+    STALL,
+    STALL_SENTINEL_ACTIVE,
+)
 from vllm_mmcache_fix.core.settings import (
     DEFAULT_STALL_SECONDS,
     ENV_STALL_SECONDS,
     read_stall_seconds,
 )
-from vllm_mmcache_fix.stall_sentinel.fix import (
-    API_SERVER,
-    ENGINE_CORE,
-    process_kind,
-)
+from vllm_mmcache_fix.stall_sentinel.detect import StackLine, in_cache_eviction
 
 PRELUDE = textwrap.dedent(
     """
@@ -61,12 +65,22 @@ PRELUDE = textwrap.dedent(
 
     sentinel = StallSentinelFix()
     sentinel.install()
+    from vllm_mmcache_fix.core import signals
+    if IDENTIFY:
+        signals.API_SERVER_SERVING.send()
     """
 )
 
 
-def _run(body: str, env: dict[str, str], timeout: float = 60.0) -> tuple[dict, str]:
-    code = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(sentinel.status()))\n"
+def _run(
+    body: str, env: dict[str, str], timeout: float = 60.0, identify: bool = True
+) -> tuple[dict, str]:
+    code = (
+        f"IDENTIFY = {identify}\n"
+        + PRELUDE
+        + textwrap.dedent(body)
+        + "\nprint(json.dumps(sentinel.status()))\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -80,10 +94,10 @@ def _run(body: str, env: dict[str, str], timeout: float = 60.0) -> tuple[dict, s
 
 
 def _stall_records(stderr: str) -> list[str]:
-    """Each WARNING record of a stall, with its indented stack lines."""
+    """Each WARNING record of a stall (the cache's or a busy call), with its stack lines."""
     records: list[str] = []
     for line in stderr.splitlines():
-        if line.startswith("WARNING " + PREFIX + STALL):
+        if line.startswith(("WARNING " + PREFIX + STALL, "WARNING " + PREFIX + BUSY)):
             records.append(line)
         elif line.startswith("    ") and records:
             records[-1] += "\n" + line
@@ -239,22 +253,100 @@ def test_good_thresholds() -> None:
     assert read_stall_seconds({ENV_STALL_SECONDS: "0"}).value == 0
 
 
-@pytest.mark.parametrize(
-    ("name", "title", "kind"),
-    [
-        ("EngineCore", "VLLM::EngineCore", ENGINE_CORE),
-        ("EngineCore_DP1", "VLLM::EngineCore_DP1", ENGINE_CORE),
-        ("MainProcess", "VLLM::EngineCore", ENGINE_CORE),
-        ("MainProcess", "/venv/bin/python", API_SERVER),
-        ("ApiServer_1", "VLLM::APIServer_1", API_SERVER),
-        ("MainProcess", "VLLM::APIServer", API_SERVER),
-        ("VllmWorker-0", "VLLM::Worker", None),
-        ("MainProcess", "VLLM::Worker_TP0", None),
-        ("DPCoordinator", "VLLM::DPCoordinator", None),
-    ],
-)
-def test_process_kind(name: str, title: str, kind: str | None) -> None:
-    assert process_kind(name, title) == kind
+def test_an_unidentified_process_runs_no_sentinel() -> None:
+    """A user's ``LLM(...)`` script, a launcher, a worker: installed, never started."""
+    status, err = _run(
+        """
+        spinner = Spinner()
+        t = threading.Thread(target=spinner.run, args=([("spin", 4.0)],), name="spinner")
+        t.start(); t.join()
+        """,
+        {ENV_STALL_SECONDS: "1"},
+        identify=False,
+    )
+    assert status["enabled"] is True and status["running"] is False
+    assert status["samples"] == 0 and _stall_records(err) == []
+    assert STALL_SENTINEL_ACTIVE not in err
+
+
+def test_a_long_call_elsewhere_is_reported_as_busy_not_as_the_cache_bug() -> None:
+    status, err = _run(
+        """
+        spinner = Spinner()
+        t = threading.Thread(target=spinner.run, args=([("spin", 5.0)],), name="tokenizer")
+        t.start(); t.join()
+        from vllm_mmcache_fix.core import counters
+        print(json.dumps({"busy": counters.stalls("busy"),
+                          "cache": counters.stalls("cache_eviction")}), file=sys.stderr)
+        """,
+        {ENV_STALL_SECONDS: "2"},
+    )
+    records = _stall_records(err)
+    assert len(records) == 1, err
+    assert records[0].startswith("WARNING " + PREFIX + BUSY + " for "), records[0]
+    assert "not the multimodal cache" in records[0] and "43941" not in records[0]
+    assert status["last_stall"]["cause"] == "busy"
+    assert '{"busy": 1, "cache": 0}' in err
+
+
+CACHE_BODY = '''
+import os, sys, tempfile
+root = tempfile.mkdtemp()
+os.makedirs(os.path.join(root, "cachetools"))
+with open(os.path.join(root, "cachetools", "__init__.py"), "w") as f:
+    f.write("""
+import time
+class Cache:
+    def __setitem__(self, key, value):
+        while self.popitem():
+            pass
+    def popitem(self):
+        return time.monotonic() < self.until
+""")
+sys.path.insert(0, root)
+import cachetools
+cache = cachetools.Cache()
+cache.until = time.monotonic() + 5.0
+t = threading.Thread(target=cache.__setitem__, args=(1, 2), name="input")
+t.start(); t.join()
+'''
+
+
+def test_a_stall_in_the_caches_eviction_names_the_bug() -> None:
+    """A spin in ``popitem`` called by ``__setitem__``, both in cachetools' files."""
+    status, err = _run(CACHE_BODY, {ENV_STALL_SECONDS: "2"})
+    records = _stall_records(err)
+    assert len(records) == 1, err
+    assert records[0].startswith("WARNING " + PREFIX + STALL + " API server"), records[0]
+    assert "vllm#43941" in records[0] and "Cache.popitem" in records[0]
+    assert status["last_stall"]["cause"] == "cache_eviction"
+
+
+def _stack(*frames: tuple[str, str]) -> list[StackLine]:
+    return [StackLine(file, 1, function) for function, file in frames]
+
+
+def test_the_eviction_rule_needs_the_frame_its_caller_and_the_lru_files() -> None:
+    site = "/venv/lib/python3.11/site-packages"
+    frozen = _stack(
+        ("LRUCache.popitem", f"{site}/vllm/utils/cache.py"),
+        ("Cache.__setitem__", f"{site}/cachetools/__init__.py"),
+        ("EngineCore.preprocess_add_request", f"{site}/vllm/v1/engine/core.py"),
+    )
+    assert in_cache_eviction(frozen)
+    assert in_cache_eviction(
+        _stack(
+            ("LRUCache.popitem", f"{site}/vllm/utils/__init__.py"),
+            ("LRUCache.clear", f"{site}/vllm/utils/__init__.py"),
+        )
+    )
+    assert not in_cache_eviction(frozen[:1])  # popitem with no caller on the stack
+    assert not in_cache_eviction(
+        _stack(("popitem", "/app/mine.py"), ("__setitem__", "/app/mine.py"))
+    )
+    assert not in_cache_eviction(
+        _stack(("burn", "/app/x.py"), ("Tokenizer.encode", f"{site}/tokenizers/x.py"))
+    )
 
 
 FORK_BODY = """
@@ -266,12 +358,15 @@ class LRUCache:
         while time.monotonic() < end:
             pass
 
-def child():
+def child(identified):
+    from vllm_mmcache_fix.core import signals
+    if identified:
+        signals.ENGINE_CORE_RUNNING.send()  # what an EngineCore's busy loop sends
     LRUCache().popitem()
 
 ctx = mp.get_context("fork")
-for name in ("EngineCore", "VllmWorker-0"):
-    p = ctx.Process(target=child, name=name)
+for name, identified in (("EngineCore", True), ("VllmWorker-0", False)):
+    p = ctx.Process(target=child, args=(identified,), name=name)
     p.start(); p.join(30)
     assert p.exitcode == 0, p.exitcode
 """
@@ -279,12 +374,13 @@ for name in ("EngineCore", "VllmWorker-0"):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -> None:
-    """vLLM forks EngineCore from the API server and calls no plugin again there."""
+    """vLLM forks EngineCore from the API server and calls no plugin again there: the child
+    inherits no thread, and starts its own once its busy loop identifies it."""
     status, err = _run(FORK_BODY, {ENV_STALL_SECONDS: "2"}, timeout=90)
     records = _stall_records(err)
     assert len(records) == 1, err
-    assert "thread stalled in EngineCore pid=" in records[0], records[0]
-    assert "LRUCache.popitem" in records[0] or " popitem" in records[0], records[0]
+    assert "in EngineCore pid=" in records[0], records[0]
+    assert "popitem" in records[0], records[0]
     active = [line for line in err.splitlines() if STALL_SENTINEL_ACTIVE in line]
     assert len(active) == 2, err  # the parent and the EngineCore child, not the worker
     assert status["stalls"] == 0  # the parent saw none of its own

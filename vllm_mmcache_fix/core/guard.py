@@ -59,7 +59,8 @@ class InternalErrors:
 
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        with self._lock:  # record() may add a site meanwhile (another thread)
+            return sum(self.counts.values())
 
     def record(self, where: str, exc: BaseException) -> None:
         try:

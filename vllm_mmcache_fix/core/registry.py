@@ -137,10 +137,17 @@ def revert(owner: type, attr: str) -> bool:
         return True
 
 
-def _forget(key: tuple[int, str], change: _InstanceChange) -> None:
-    with _lock:
-        if _instances.get(key) is change:
-            del _instances[key]
+def _forget(
+    key: tuple[int, str],
+    change: _InstanceChange,
+    lock: Any = _lock,
+    instances: dict[tuple[int, str], _InstanceChange] = _instances,
+) -> None:
+    # Bound at definition: an object that dies at interpreter exit, after the module's
+    # globals were cleared, must not print "Exception ignored" (an EngineCore's last lines).
+    with lock:
+        if instances.get(key) is change:
+            del instances[key]
 
 
 def _track(key: tuple[int, str], obj: Any, change_of: Any) -> None:
@@ -148,7 +155,7 @@ def _track(key: tuple[int, str], obj: Any, change_of: Any) -> None:
     holder: list[_InstanceChange] = []
     ref: Callable[[], Any]
     try:
-        ref = weakref.ref(obj, lambda _r: _forget(key, holder[0]))
+        ref = weakref.ref(obj, lambda _r, forget=_forget: forget(key, holder[0]))
     except TypeError:
         ref = lambda: obj  # noqa: E731  (not weakly referenceable: keep it)
     change = change_of(ref)

@@ -84,8 +84,12 @@ def read_fail_at(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-DEFAULT_HEALTH_TIMEOUT = 10.0
-"""Seconds EngineCore has to answer the ``/health`` round trip (README: how it was chosen)."""
+DEFAULT_HEALTH_TIMEOUT = 60.0
+"""Seconds of evidence before ``/health`` calls an EngineCore stuck: its input thread silent,
+or its busy loop inside one step, for this long (docs/health.md: how it was chosen)."""
+MIN_HEALTH_TIMEOUT = 5.0
+"""The smallest timeout accepted (besides 0, off): the heartbeat pings every 2 s and a loaded
+API server may take a second to read an answer, so a shorter one would judge a healthy engine."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,17 @@ def read_float(
 
 
 def read_health_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
-    """``MMCACHE_FIX_HEALTH_TIMEOUT``: seconds; ``0`` switches the engine round trip off."""
-    return read_float(ENV_HEALTH_TIMEOUT, DEFAULT_HEALTH_TIMEOUT, environ)
+    """``MMCACHE_FIX_HEALTH_TIMEOUT``: seconds, at least :data:`MIN_HEALTH_TIMEOUT`; ``0``
+    switches the engine heartbeat off."""
+    setting = read_float(ENV_HEALTH_TIMEOUT, DEFAULT_HEALTH_TIMEOUT, environ)
+    if setting.problem or setting.value == 0 or setting.value >= MIN_HEALTH_TIMEOUT:
+        return setting
+    raw = (os.environ if environ is None else environ).get(ENV_HEALTH_TIMEOUT)
+    return FloatSetting(
+        DEFAULT_HEALTH_TIMEOUT,
+        f"{ENV_HEALTH_TIMEOUT}={raw!r} is below the floor of {MIN_HEALTH_TIMEOUT:g} s (0 turns "
+        f"the check off); using {DEFAULT_HEALTH_TIMEOUT:g}",
+    )
 
 
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"

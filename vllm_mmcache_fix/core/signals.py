@@ -1,7 +1,8 @@
 """Named events one fix sends and another receives, without knowing each other.
 
-The engine liveness check tells the metrics what it saw (an engine answered, an engine
-stopped answering) by sending a signal; the metrics connect to the signals they export.
+The engine liveness check tells the metrics what it saw (an engine answered, a ``/health``
+failed because of an engine) and tells the metrics and the stall sentinel where they are (an API
+server, an EngineCore) by sending a signal; the receivers connect to the signals they need.
 A receiver's exception never reaches the sender: it is the receiver's own internal error
 (each receiver guards itself), and a receiver that still raises is skipped.
 """
@@ -47,10 +48,16 @@ class Signal:
         return f"Signal({self.name!r})"
 
 
-ENGINE_CHECK_STARTING = Signal("engine-check-starting")
-"""The API server is about to check its engines (no arguments); the metrics start here
-in a process that serves ``/health`` before ``/metrics`` was attached."""
+API_SERVER_SERVING = Signal("api-server-serving")
+"""This process is an API server (no arguments): an ``AsyncLLM`` talks to EngineCore processes
+from a running event loop, and the engine heartbeat started. Sent once per engine client; the
+metrics and the stall sentinel start here (never in a user's ``LLM(...)`` script or a
+launcher, which build no such client)."""
+ENGINE_CORE_RUNNING = Signal("engine-core-running")
+"""This process runs an EngineCore busy loop (no arguments): vLLM's ``EngineCoreProc`` entered
+its loop, in whatever process model (spawned, forked, Ray actor). The stall sentinel starts
+here."""
 ENGINE_ANSWERED = Signal("engine-answered")
-"""``(engine name, round-trip seconds)``: an EngineCore answered the liveness round trip."""
-ENGINE_NOT_ANSWERING = Signal("engine-not-answering")
-"""``(engine name,)``: a liveness check found an EngineCore past its deadline."""
+"""``(engine name, round-trip seconds)``: an EngineCore answered a heartbeat ping."""
+ENGINE_HEALTH_FAILED = Signal("engine-health-failed")
+"""``(engine name,)``: a ``/health`` check failed because this EngineCore is stuck."""

@@ -1,27 +1,92 @@
-"""Adds ``EngineCore.mmcache_fix_ping`` in EngineCore's process (``vllm_layout.ENGINE_CORE_CLASS``).
+"""EngineCore's side of the heartbeat: the input thread answers, and says what the busy loop does.
 
-vLLM runs a utility call by looking the method up by name on the EngineCore object, so
-a plain method on the class is all the round trip needs. It does no more than read a
-few counters: it runs in EngineCore's busy loop, between two engine steps.
+Installed in every process (a forked EngineCore inherits the patched classes; vLLM calls no
+plugin again after a fork), it acts only where vLLM runs an ``EngineCoreProc`` busy loop
+(``vllm_layout.ENGINE_PROC_CLASS``): that is the positive identification of an EngineCore, in
+every process model (spawned, forked, DP, Ray actors).
+
+- ``EngineCore.mmcache_fix_ping``: the utility method vLLM looks up by name. Its answer (a
+  dict) carries the pid, the busy loop's state and how long it has been in it, and this
+  process's plugin counters (for the API server's ``/metrics``).
+- At the busy loop's first ``_process_input_queue`` the engine is adopted: its input queue's
+  ``put_nowait`` (what the input thread calls for every request) answers a ping right there,
+  in the input thread, through vLLM's own ``_handle_client_request`` (vLLM builds the reply and
+  puts it on its thread-safe output queue). So a ping is answered in milliseconds while a step
+  or a long utility call runs; only a dead or spinning input thread leaves it unanswered.
+- ``_process_engine_step`` and ``_handle_client_request`` stamp the busy loop's state
+  (:mod:`.busy_loop`): "step since T", "add/abort since T", "utility <name> since T", idle.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..core import log, registry
+from ..core import log, registry, signals
 from ..core.lifecycle import DidNotEnable, Fix
-from ..core.process import process_label, process_name
+from ..core.messages import ANSWER_ACTIVE
+from ..core.process import process_label
 from ..core.settings import Mode, read_mode
-from ..vllm_layout import ENGINE_CORE_CLASS, ENGINE_CORE_PROCESS, ENGINE_PING_METHOD
+from ..vllm_layout import (
+    BUSY_LOOP_DISPATCH,
+    BUSY_LOOP_INPUT,
+    BUSY_LOOP_STEP,
+    ENGINE_CORE_CLASS,
+    ENGINE_INPUT_QUEUE,
+    ENGINE_PING_METHOD,
+    ENGINE_PROC_CLASS,
+    REQUEST_TYPE_ABORT,
+    REQUEST_TYPE_ADD,
+    REQUEST_TYPE_UTILITY,
+    UTILITY_METHOD_INDEX,
+)
+from .busy_loop import (
+    ABORT,
+    ADD,
+    ANSWER_SCHEMA,
+    STEP,
+    UTILITY,
+    VIA_BUSY_LOOP,
+    VIA_INPUT_THREAD,
+    LoopState,
+    Phase,
+)
 
 PATCH_ID = "engine-liveness-answer"
-ANSWER_SCHEMA = 1
+ENGINE_ATTR = "_mmcache_fix_liveness"
+"""Set on each adopted engine (through the registry, so revert removes it)."""
 
 Counts = Callable[[], "dict[str, int]"]
+
+
+class Adopted:
+    """What the plugin keeps on one adopted engine."""
+
+    __slots__ = ("loop", "hooked")
+
+    def __init__(self) -> None:
+        self.loop = LoopState()
+        self.hooked = False
+        """Whether the input queue's ``put_nowait`` answers pings in the input thread."""
+
+
+def is_ping(item: Any) -> bool:
+    """Whether ``item`` (what the input thread queues) is a utility call of the ping."""
+    try:
+        request_type, request = item
+        return (
+            getattr(request_type, "name", None) == REQUEST_TYPE_UTILITY
+            and isinstance(request, (list, tuple))
+            and len(request) > UTILITY_METHOD_INDEX
+            and request[UTILITY_METHOD_INDEX] == ENGINE_PING_METHOD
+        )
+    except Exception:
+        return False
 
 
 class EngineLivenessAnswer(Fix):
@@ -32,56 +97,228 @@ class EngineLivenessAnswer(Fix):
     def __init__(self, counts: Counts) -> None:
         super().__init__()
         self.counts = counts
-        self.target: str | None = None
+        self.targets: list[str] = []
         self.answers = 0
-        self._site = self.errors.site("engine_liveness.answer")
+        self.answers_in_input_thread = 0
+        self.engines = 0
+        self.adopting = True
+        self.stamping = True
+        self.input_thread = True
+        """Pings answered in the input thread; off after an internal error there."""
+        self._local = threading.local()
+        self._announced = False
+        self._answer_site = self.errors.site("engine_liveness.answer")
+        self._adopt_site = self.errors.site("engine_liveness.adopt")
+        self._stamp_site = self.errors.site("engine_liveness.loop_state")
+        self._input_site = self.errors.site("engine_liveness.input_thread")
+
+    # -- lifecycle -----------------------------------------------------------------
 
     def _install(self) -> None:
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
-        if not process_name().startswith(ENGINE_CORE_PROCESS):
-            raise DidNotEnable(f"not an {ENGINE_CORE_PROCESS} process")
+        self.errors.reload_faults()
 
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_ID)
-        self.target = None
-        self.answers = 0
+        self.__init__(self.counts)  # type: ignore[misc]
 
     def _status(self) -> dict[str, Any]:
-        return {"target": self.target, "answers": self.answers}
+        return {
+            "targets": list(self.targets),
+            "engines": self.engines,
+            "answers": self.answers,
+            "answers_in_input_thread": self.answers_in_input_thread,
+            "input_thread": self.input_thread,
+            "loop_state": self.stamping,
+        }
+
+    def _on_internal_error(self, where: str, exc: BaseException) -> None:
+        if where == self._input_site.name:
+            self.input_thread = False
+        elif where == self._stamp_site.name:
+            self.stamping = False
+        elif where == self._adopt_site.name:
+            self.adopting = False
 
     def _on_import(self, name: str) -> bool:
-        return self._patch()
-
-    @staticmethod
-    def _engine_core_class() -> type | None:
         module = sys.modules.get(ENGINE_CORE_CLASS.module)
-        cls = getattr(module, ENGINE_CORE_CLASS.cls, None)
-        return cls if isinstance(cls, type) else None
-
-    def _patch(self) -> bool:
-        cls = self._engine_core_class()
-        if cls is None:
-            return False
-        if ENGINE_PING_METHOD in cls.__dict__ and not registry.is_patched(cls, ENGINE_PING_METHOD):
-            self.note_problem(f"{cls.__qualname__} already has {ENGINE_PING_METHOD}; left alone")
+        core = getattr(module, ENGINE_CORE_CLASS.cls, None)
+        if not isinstance(core, type):
+            self.note_problem(f"{ENGINE_CORE_CLASS.module}.{ENGINE_CORE_CLASS.cls} not found")
             return True
-        registry.apply(PATCH_ID, cls, ENGINE_PING_METHOD, make_answer(self))
-        self.target = f"{cls.__module__}.{cls.__qualname__}.{ENGINE_PING_METHOD}"
-        log.debug("engine liveness answer in place in %s: %s", process_label(), self.target)
+        ping = ENGINE_PING_METHOD
+        if ping in core.__dict__ and not registry.is_patched(core, ping):
+            self.note_problem(f"{core.__qualname__} already has {ping}; left alone")
+            return True
+        if registry.apply(PATCH_ID, core, ENGINE_PING_METHOD, make_ping(self)):
+            self.targets.append(f"{core.__module__}.{core.__qualname__}.{ENGINE_PING_METHOD}")
+        proc = getattr(module, ENGINE_PROC_CLASS.cls, None)
+        wrappers: tuple[tuple[str, Callable[[EngineLivenessAnswer, Any], Any]], ...] = (
+            (BUSY_LOOP_INPUT, make_adopting_input),
+            (BUSY_LOOP_STEP, make_step),
+            (BUSY_LOOP_DISPATCH, make_dispatch),
+        )
+        missing = [attr for attr, _ in wrappers if not callable(_own(proc, attr))]
+        if missing:
+            # The busy loop answers the ping between steps; the API server turns its check off
+            # for such an engine (it cannot tell a long step from a stuck one).
+            self.note_problem(
+                f"{ENGINE_PROC_CLASS.module}.{ENGINE_PROC_CLASS.cls} lacks {', '.join(missing)}: "
+                "pings are answered by the busy loop only"
+            )
+            return True
+        assert isinstance(proc, type)
+        for attr, make in wrappers:
+            if registry.wrap(PATCH_ID, proc, attr, functools.partial(make, self)):
+                self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{attr}")
         return True
 
-    def answer(self) -> dict[str, Any]:
-        """What EngineCore sends back: its pid and its counters (counters left out on error)."""
-        reply: dict[str, Any] = {"schema": ANSWER_SCHEMA, "pid": os.getpid()}
-        with self._site:
+    # -- the busy loop ---------------------------------------------------------------
+
+    def adopt(self, engine: Any) -> None:
+        """The busy loop of ``engine`` starts: hook its input thread, keep its state."""
+        if not self.adopting or ENGINE_ATTR in engine.__dict__:
+            return
+        with self._adopt_site:
+            record = Adopted()
+            registry.set_instance_attr(PATCH_ID, engine, ENGINE_ATTR, record)
+            queue = getattr(engine, ENGINE_INPUT_QUEUE, None)
+            put = getattr(queue, "put_nowait", None)
+            if callable(put) and hasattr(queue, "__dict__"):
+                hook = make_put(self, weakref.ref(engine), put)
+                registry.set_instance_attr(PATCH_ID, queue, "put_nowait", hook)
+                record.hooked = True
+            self.engines += 1
+            if not self._announced:
+                self._announced = True
+                log.info(
+                    "%s %s: EngineCore's input thread answers the /health heartbeat (%s), with "
+                    "the busy loop's state",
+                    ANSWER_ACTIVE,
+                    process_label(),
+                    ENGINE_PING_METHOD if record.hooked else "input queue not found: busy loop",
+                )
+        signals.ENGINE_CORE_RUNNING.send()
+
+    def enter(self, engine: Any, state: str, detail: str = "") -> tuple[Adopted, Phase] | None:
+        if not self.stamping:
+            return None
+        with self._stamp_site:
+            record = engine.__dict__.get(ENGINE_ATTR)
+            if record is not None:
+                return record, record.loop.enter(state, detail)
+        return None
+
+    def enter_request(self, engine: Any, args: tuple[Any, ...]) -> tuple[Adopted, Phase] | None:
+        if not self.stamping or len(args) < 2:
+            return None
+        name = getattr(args[0], "name", None)
+        if name == REQUEST_TYPE_ADD:
+            return self.enter(engine, ADD)
+        if name == REQUEST_TYPE_ABORT:
+            return self.enter(engine, ABORT)
+        if name == REQUEST_TYPE_UTILITY:
+            method = ""
+            with self._stamp_site:
+                method = str(args[1][UTILITY_METHOD_INDEX])
+            if method == ENGINE_PING_METHOD:
+                return None
+            return self.enter(engine, UTILITY, method)
+        return None
+
+    def leave(self, token: tuple[Adopted, Phase]) -> None:
+        with self._stamp_site:
+            record, previous = token
+            record.loop.leave(previous)
+
+    # -- the input thread ------------------------------------------------------------
+
+    def answer_in_input_thread(self, engine: Any, item: Any) -> None:
+        """Run vLLM's own dispatch for the ping ``item`` here, in the input thread."""
+        self._local.in_input_thread = True
+        try:
+            dispatch = getattr(engine, BUSY_LOOP_DISPATCH)
+            dispatch(*item)
+        except Exception as exc:
+            # Never queued again for the busy loop: vLLM may already have answered it, and a
+            # second answer to one call breaks the client. From now on the busy loop answers.
+            self.errors.record(self._input_site.name, exc)
+        finally:
+            self._local.in_input_thread = False
+
+    def answer(self, engine: Any) -> dict[str, Any]:
+        """The ping's answer: never raises (vLLM would log a traceback per ping)."""
+        via_input = bool(getattr(self._local, "in_input_thread", False))
+        reply: dict[str, Any] = {
+            "schema": ANSWER_SCHEMA,
+            "pid": os.getpid(),
+            "via": VIA_INPUT_THREAD if via_input else VIA_BUSY_LOOP,
+        }
+        with self._answer_site:
             self.answers += 1
+            self.answers_in_input_thread += via_input
+            record = engine.__dict__.get(ENGINE_ATTR)
+            reply["input_thread"] = bool(record is not None and record.hooked and self.input_thread)
+            if record is not None and self.stamping:
+                reply["loop"] = record.loop.snapshot()
             reply["counts"] = dict(self.counts())
         return reply
 
 
-def make_answer(fix: EngineLivenessAnswer) -> Callable[[Any], dict[str, Any]]:
+def _own(cls: Any, attr: str) -> Any:
+    return cls.__dict__.get(attr) if isinstance(cls, type) else None
+
+
+def make_ping(fix: EngineLivenessAnswer) -> Callable[[Any], dict[str, Any]]:
     def mmcache_fix_ping(self: Any) -> dict[str, Any]:
-        return fix.answer()
+        return fix.answer(self)
 
     return mmcache_fix_ping
+
+
+def make_put(
+    fix: EngineLivenessAnswer, engine_ref: Callable[[], Any], original: Callable[[Any], None]
+) -> Callable[[Any], None]:
+    def put_nowait(item: Any) -> None:
+        if fix.input_thread and is_ping(item):
+            engine = engine_ref()
+            if engine is not None:
+                fix.answer_in_input_thread(engine, item)
+                return
+        original(item)
+
+    return put_nowait
+
+
+def make_adopting_input(fix: EngineLivenessAnswer, original: Any) -> Any:
+    def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if fix.adopting and ENGINE_ATTR not in self.__dict__:
+            fix.adopt(self)
+        return original(self, *args, **kwargs)
+
+    return _process_input_queue
+
+
+def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
+    def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = fix.enter(self, STEP)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                fix.leave(token)
+
+    return _process_engine_step
+
+
+def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:
+    def _handle_client_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = fix.enter_request(self, args)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                fix.leave(token)
+
+    return _handle_client_request

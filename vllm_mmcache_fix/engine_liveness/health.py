@@ -1,22 +1,37 @@
-"""Lifecycle of the engine liveness check: wrap ``AsyncLLM.check_health`` in the API server.
+"""Lifecycle of the engine liveness check in the API server: the heartbeat and ``/health``.
 
-vLLM's own check runs first and unchanged (it raises once EngineCore is dead). Then,
-in a guarded block, the plugin's round trip (:mod:`.probe`); when an engine has not
-answered within the timeout, the wrapper raises a subclass of vLLM's
-``EngineDeadError``, which vLLM's ``/health`` handler answers with 503.
+- ``AsyncLLM.__init__`` (``vllm_layout.HEALTH_TARGET``): once vLLM built the engine client,
+  the heartbeat (:mod:`.heartbeat`) starts in the running event loop (``vllm serve`` builds
+  it in uvicorn's); a client built outside a loop gets it at its first ``check_health``.
+  The first heartbeat tells the metrics and the stall sentinel that this process serves.
+- ``AsyncLLM.check_health``: vLLM's own check runs first and unchanged (it raises once
+  EngineCore is dead); then, in a guarded block, the heartbeat's verdict is read (never
+  awaited): for a stuck engine the wrapper raises a subclass of vLLM's ``EngineDeadError``,
+  which vLLM's ``/health`` answers with 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
 from ..core import log, registry, signals
 from ..core.lifecycle import DidNotEnable, Fix
+from ..core.messages import LIVENESS_ACTIVE
 from ..core.process import process_label
-from ..core.settings import Mode, read_health_timeout, read_mode
-from ..vllm_layout import ENGINE_CLIENT_ATTR, ENGINE_DEAD_ERROR, HEALTH_METHOD, HEALTH_TARGET
-from .probe import Liveness
+from ..core.settings import ENV_HEALTH_TIMEOUT, Mode, read_health_timeout, read_mode
+from ..vllm_layout import (
+    ASYNC_CLIENT_CLASS,
+    CLIENT_CALL_UTILITY,
+    CLIENT_ENGINE_PARAM,
+    CLIENT_OWNER_INIT,
+    ENGINE_CLIENT_ATTR,
+    ENGINE_DEAD_ERROR,
+    HEALTH_METHOD,
+    HEALTH_TARGET,
+)
+from .heartbeat import PING_INTERVAL_S, Liveness, accepts_engine
 
 PATCH_ID = "engine-liveness-health"
 
@@ -30,10 +45,12 @@ class EngineHealth(Fix):
         super().__init__()
         self.timeout: float | None = None
         self.liveness: Liveness | None = None
-        self.target: str | None = None
+        self.targets: list[str] = []
         self.switched_off: str | None = None
+        self.serving = False
         self._error_classes: dict[type, type] = {}
-        self._site = self.errors.site("engine_health.round_trip")
+        self._site = self.errors.site("engine_health.check")
+        self._beat_site = self.errors.site("engine_health.heartbeat")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -45,25 +62,28 @@ class EngineHealth(Fix):
             log.warning("%s", setting.problem)
         self.timeout = setting.value
         if setting.value == 0:
-            raise DidNotEnable("disabled by MMCACHE_FIX_HEALTH_TIMEOUT=0")
+            raise DidNotEnable(f"disabled by {ENV_HEALTH_TIMEOUT}=0")
         self.liveness = Liveness(
             setting.value,
-            on_round_trip=signals.ENGINE_ANSWERED.send,
-            on_failure=signals.ENGINE_NOT_ANSWERING.send,
+            on_answer=signals.ENGINE_ANSWERED.send,
+            guard=self._beat_site,
+            enabled=lambda: self.switched_off is None,
         )
         self.errors.reload_faults()
 
     def _uninstall(self) -> None:
+        liveness = self.liveness
         registry.revert_patch(PATCH_ID)
-        self.timeout = None
-        self.liveness = None
-        self.target = None
-        self.switched_off = None
+        if liveness is not None:
+            for beat in liveness._all():
+                beat.stop("uninstalled")
+        self.__init__()  # type: ignore[misc]
 
     def _status(self) -> dict[str, Any]:
         return {
             "timeout_s": self.timeout,
-            "target": self.target,
+            "ping_interval_s": PING_INTERVAL_S,
+            "targets": list(self.targets),
             "switched_off": self.switched_off,
             "engines": self.liveness.status() if self.liveness else [],
         }
@@ -71,40 +91,92 @@ class EngineHealth(Fix):
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
         self.switched_off = f"internal error at {where}: {exc!r}"
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
+        liveness = self.liveness
+        if liveness is not None:
+            for beat in liveness._all():
+                beat.stop("switched off after an internal error")
 
     def _on_import(self, name: str) -> bool:
         module = sys.modules.get(HEALTH_TARGET.module)
         cls = getattr(module, HEALTH_TARGET.cls, None)
-        original = cls.__dict__.get(HEALTH_METHOD) if isinstance(cls, type) else None
-        if not isinstance(cls, type) or original is None or not callable(original):
-            where = f"{HEALTH_TARGET.module}.{HEALTH_TARGET.cls}.{HEALTH_METHOD}"
-            self.note_problem(f"{where} not found")
+        where = f"{HEALTH_TARGET.module}.{HEALTH_TARGET.cls}"
+        if not isinstance(cls, type) or not all(
+            callable(cls.__dict__.get(m)) for m in (CLIENT_OWNER_INIT, HEALTH_METHOD)
+        ):
+            self.note_problem(f"{where}.{HEALTH_METHOD} or {CLIENT_OWNER_INIT} not found")
             return True
-        registry.wrap(
-            PATCH_ID, cls, HEALTH_METHOD, lambda vllm_check: wrap_check_health(self, vllm_check)
-        )
-        self.target = f"{cls.__module__}.{cls.__qualname__}.{HEALTH_METHOD}"
-        log.info(
-            "engine liveness on /health in %s: %s also waits up to %gs for every EngineCore "
-            "to answer a round trip",
-            process_label(),
-            self.target,
-            self.timeout,
-        )
+        old_client = self._old_client_class()
+        if old_client is not None:
+            text = (
+                f"{old_client}.{CLIENT_CALL_UTILITY} has no {CLIENT_ENGINE_PARAM}= parameter: "
+                "the heartbeat cannot ask one engine; /health is vLLM's own"
+            )
+            if self.note_problem(text):
+                log.warning("%s", text)
+            return True
+        registry.wrap(PATCH_ID, cls, CLIENT_OWNER_INIT, lambda f: wrap_init(self, f))
+        registry.wrap(PATCH_ID, cls, HEALTH_METHOD, lambda f: wrap_check_health(self, f))
+        self.targets = [
+            f"{cls.__module__}.{cls.__qualname__}.{m}" for m in (CLIENT_OWNER_INIT, HEALTH_METHOD)
+        ]
         return True
 
-    # -- the check -----------------------------------------------------------------
+    @staticmethod
+    def _old_client_class() -> str | None:
+        """vLLM's async client class, named, when its utility call cannot pick one engine."""
+        module = sys.modules.get(ASYNC_CLIENT_CLASS.module)
+        call = getattr(getattr(module, ASYNC_CLIENT_CLASS.cls, None), CLIENT_CALL_UTILITY, None)
+        if call is not None and not accepts_engine(call):
+            return f"{ASYNC_CLIENT_CLASS.module}.{ASYNC_CLIENT_CLASS.cls}"
+        return None
 
-    async def round_trip(self, engine: Any) -> str | None:
-        """None when every EngineCore answered in time (or the check does not apply)."""
+    # -- the heartbeat and the check -------------------------------------------------
+
+    def attach(self, engine: Any) -> None:
+        """Start the heartbeat of ``engine``'s client, when in its running loop (guarded)."""
+        liveness = self.liveness
+        if liveness is None or self.switched_off is not None:
+            return
+        with self._site:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return  # built outside an event loop: started at the first check_health
+            client = getattr(engine, ENGINE_CLIENT_ATTR, None)
+            if not liveness.usable(client) or client in liveness.heartbeats:
+                return
+            if liveness.attach(client) is None:
+                return
+            if not self.serving:
+                self.serving = True
+                log.info(
+                    "%s %s: a heartbeat pings every EngineCore every %g s; /health answers "
+                    "from its state and fails (503) only when an EngineCore's input thread "
+                    "leaves pings unanswered, or its busy loop stays inside one step, for %g s "
+                    "(%s)",
+                    LIVENESS_ACTIVE,
+                    process_label(),
+                    PING_INTERVAL_S,
+                    self.timeout,
+                    ENV_HEALTH_TIMEOUT,
+                )
+        signals.API_SERVER_SERVING.send()
+
+    def verdict(self, engine: Any) -> str | None:
+        """Why ``/health`` fails now (None: it does not). Reads state; never waits."""
         liveness = self.liveness
         if liveness is None or self.switched_off is not None:
             return None
+        self.attach(engine)
         client = getattr(engine, ENGINE_CLIENT_ATTR, None)
-        if not liveness.usable(client):
-            return None  # in-process engine: nothing to ask
-        signals.ENGINE_CHECK_STARTING.send()
-        return await liveness.check(client)
+        beat = liveness.heartbeats.get(client) if liveness.usable(client) else None
+        if beat is None:
+            return None
+        stuck = beat.verdict()
+        for engine_beat in stuck:
+            engine_beat.failed_checks += 1
+            signals.ENGINE_HEALTH_FAILED.send(engine_beat.name)
+        return "; ".join(b.stuck or "" for b in stuck) or None
 
     def error(self, text: str) -> BaseException:
         """vLLM's ``EngineDeadError`` (a subclass saying why), or a RuntimeError without it."""
@@ -114,20 +186,28 @@ class EngineHealth(Fix):
             return RuntimeError(text)
         cls = self._error_classes.get(base)
         if cls is None:
-            cls = self._error_classes[base] = _not_answering_class(base)
+            cls = self._error_classes[base] = _stuck_class(base)
         return cls(text)  # type: ignore[no-any-return,unused-ignore]
 
 
-def _not_answering_class(base: type) -> type:
-    class EngineNotAnswering(base):  # type: ignore[valid-type,misc,unused-ignore]
-        """EngineCore left the plugin's liveness round trip unanswered past the timeout."""
+def _stuck_class(base: type) -> type:
+    class EngineStuck(base):  # type: ignore[valid-type,misc,unused-ignore]
+        """The plugin's heartbeat found an EngineCore stuck (see the message)."""
 
         def __init__(self, message: str) -> None:
             Exception.__init__(self, message)
             self.__suppress_context__ = True
 
-    EngineNotAnswering.__module__ = __name__
-    return EngineNotAnswering
+    EngineStuck.__module__ = __name__
+    return EngineStuck
+
+
+def wrap_init(fix: EngineHealth, original: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        fix.attach(self)
+
+    return __init__
 
 
 def wrap_check_health(fix: EngineHealth, original: Any) -> Any:
@@ -135,7 +215,7 @@ def wrap_check_health(fix: EngineHealth, original: Any) -> Any:
         await original(self, *args, **kwargs)
         failure: str | None = None
         with fix._site:
-            failure = await fix.round_trip(self)
+            failure = fix.verdict(self)
         if failure is not None:
             raise fix.error(failure)
 

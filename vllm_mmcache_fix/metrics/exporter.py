@@ -1,14 +1,17 @@
 """Counters of this API server and of EngineCore as prometheus_client metrics.
 
 The plugin's counters are plain cumulative numbers in each process. A small daemon
-thread (and each ``/health`` round trip) turns them into metric updates: the increase
+thread (and each heartbeat answer) turns them into metric updates: the increase
 since the last sync for counters, the value for gauges. :func:`plan` is that pure step;
 :class:`Exporter` applies it to ``prometheus_client`` objects, created lazily.
 
-EngineCore's counters reach every API server with the round trip. With several API
-servers they would be counted once per API server, so only the first one
-(``client_index`` 0) exports them; each API server exports its own counters, and the
-multiprocess collector adds them up.
+EngineCore's counters reach every API server with each heartbeat answer (every 2 s, no
+``/health`` needed). With several API servers they would be counted once per API server,
+so only the first one (``client_index`` 0) exports them; each API server exports its own
+counters, and the multiprocess collector adds them up.
+
+A sync that fails (the plugin's own counters read in a race, say) is retried at the next
+interval; only :data:`MAX_FAILED_SYNCS` failures in a row stop the thread.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 from . import names as n
 
 SYNC_INTERVAL_S = 1.0
+MAX_FAILED_SYNCS = 30
+"""Consecutive failed syncs (30 s) that make the exporter give up: a persistent error."""
 
 Labels = tuple[tuple[str, str], ...]
 Update = tuple[str, Labels, str, float]
@@ -30,7 +35,8 @@ _COUNTS_OF_PROCESS: tuple[tuple[str, str, Labels], ...] = (
     ("ghost_keys_dropped", n.CACHE_REPAIRS, (("repair", n.REPAIR_GHOST),)),
     ("orphans_restored", n.CACHE_REPAIRS, (("repair", n.REPAIR_ORPHAN),)),
     ("internal_errors", n.INTERNAL_ERRORS, ()),
-    ("stalls", n.STALLS, ()),
+    ("stalls_cache_eviction", n.STALLS, (("cause", n.CAUSE_CACHE_EVICTION),)),
+    ("stalls_busy", n.STALLS, (("cause", n.CAUSE_BUSY),)),
 )
 """(count key, metric, labels besides ``process``) for counts every process has."""
 
@@ -66,10 +72,11 @@ def plan(
     deltas: Deltas,
     local: Mapping[str, Any],
     engines: Iterable[Mapping[str, Any]] | None,
+    ages: Mapping[str, float] | None = None,
 ) -> list[Update]:
-    """The updates that bring the metrics to ``local`` (this API server's counts) and
+    """The updates that bring the metrics to ``local`` (this API server's counts),
     ``engines`` (EngineCore's counts, one mapping per engine; None when this API server does
-    not export them)."""
+    not export them) and ``ages`` (seconds since each engine last answered, by name)."""
     updates: list[Update] = []
 
     def counter(metric: str, labels: Labels, value: float) -> None:
@@ -91,6 +98,8 @@ def plan(
             counter(metric, process + extra, sum(_num(e, key) for e in engines))
         protected = sum(_num(e, "protected") for e in engines)
         updates.append((n.PROTECTED_PROCESSES, (("kind", n.KIND_ENGINE_CORE),), "set", protected))
+    for engine, age in sorted((ages or {}).items()):
+        updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
     return updates
 
 
@@ -102,10 +111,16 @@ class Exporter:
         local: Callable[[], Mapping[str, Any]],
         engines: Callable[[], list[Mapping[str, Any]] | None],
         on_error: Callable[[BaseException], None],
+        ages: Callable[[], Mapping[str, float] | None] = lambda: None,
     ) -> None:
         self.local = local
         self.engines = engines
+        self.ages = ages
         self.on_error = on_error
+        """Called once, with the last error, when the exporter gives up."""
+        self.failed_syncs = 0
+        self.failures_in_a_row = 0
+        self.last_failure: str | None = None
         self.deltas = Deltas()
         self.metrics: dict[str, Any] = {}
         self.started = False
@@ -141,8 +156,9 @@ class Exporter:
             if spec.kind == "counter":
                 made[spec.name] = prom.Counter(spec.name, spec.help, list(spec.labels))
             elif spec.kind == "gauge":
+                mode: Any = spec.multiprocess_mode
                 made[spec.name] = prom.Gauge(
-                    spec.name, spec.help, list(spec.labels), multiprocess_mode="livesum"
+                    spec.name, spec.help, list(spec.labels), multiprocess_mode=mode
                 )
             else:
                 made[spec.name] = prom.Histogram(
@@ -183,17 +199,32 @@ class Exporter:
             self.sync()
 
     def sync(self) -> None:
+        """One sync; never raises. A failure is retried at the next interval (a counter's
+        increase is kept as exported only once applied); a long run of them stops the
+        exporter."""
         try:
             with self._lock:
                 if not self.started:
                     return
-                for metric, labels, op, amount in plan(self.deltas, self.local(), self.engines()):
+                local, engines, ages = self.local(), self.engines(), self.ages()
+                planned = Deltas(dict(self.deltas.seen))
+                for metric, labels, op, amount in plan(planned, local, engines, ages):
                     child = self._child(metric, labels)
                     if op == "inc":
                         child.inc(amount)
+                        key = (metric, labels)
+                        self.deltas.seen[key] = planned.seen[key]
                     else:
                         child.set(amount)
+                self.failures_in_a_row = 0
         except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failed_syncs += 1
+        self.failures_in_a_row += 1
+        self.last_failure = repr(exc)
+        if self.failures_in_a_row >= MAX_FAILED_SYNCS:
             self._stop.set()
             self.on_error(exc)
 

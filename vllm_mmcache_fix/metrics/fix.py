@@ -1,4 +1,9 @@
-"""Lifecycle of the metrics: start the exporter once this API server attaches ``/metrics``."""
+"""Lifecycle of the metrics: start the exporter once this process serves.
+
+It starts when the API server attaches ``/metrics`` (the watched import), or when the engine
+heartbeat tells it this process is an API server (``signals.API_SERVER_SERVING``), whichever
+comes first; never in a process that serves nothing.
+"""
 
 from __future__ import annotations
 
@@ -21,23 +26,24 @@ class PluginMetrics(Fix):
         self,
         local: Callable[[], Mapping[str, Any]],
         engines: Callable[[], list[Mapping[str, Any]] | None],
+        ages: Callable[[], Mapping[str, float] | None] = lambda: None,
     ) -> None:
         super().__init__()
-        self.exporter = Exporter(local, engines, self._sync_failed)
+        self.exporter = Exporter(local, engines, self._sync_failed, ages)
         self._site = self.errors.site("metrics.start")
         self.switched_off: str | None = None
 
     def _install(self) -> None:
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
-        signals.ENGINE_CHECK_STARTING.connect(self.start)
+        signals.API_SERVER_SERVING.connect(self.start)
         signals.ENGINE_ANSWERED.connect(self.observe_round_trip)
-        signals.ENGINE_NOT_ANSWERING.connect(self.round_trip_failed)
+        signals.ENGINE_HEALTH_FAILED.connect(self.round_trip_failed)
 
     def _uninstall(self) -> None:
-        signals.ENGINE_CHECK_STARTING.disconnect(self.start)
+        signals.API_SERVER_SERVING.disconnect(self.start)
         signals.ENGINE_ANSWERED.disconnect(self.observe_round_trip)
-        signals.ENGINE_NOT_ANSWERING.disconnect(self.round_trip_failed)
+        signals.ENGINE_HEALTH_FAILED.disconnect(self.round_trip_failed)
         self.exporter.unregister()
         self.switched_off = None
 
@@ -46,6 +52,8 @@ class PluginMetrics(Fix):
             "started": self.exporter.started,
             "multiprocess": self.exporter.multiprocess,
             "switched_off": self.switched_off,
+            "failed_syncs": self.exporter.failed_syncs,
+            "last_failed_sync": self.exporter.last_failure,
         }
 
     def _on_import(self, name: str) -> bool:
@@ -64,13 +72,13 @@ class PluginMetrics(Fix):
     def observe_round_trip(self, engine: str, seconds: float) -> None:
         with self._site:
             self.exporter.observe_round_trip(engine, seconds)
-        self.exporter.sync()  # EngineCore's counters just arrived (guards itself)
 
     def round_trip_failed(self, engine: str) -> None:
         with self._site:
             self.exporter.round_trip_failed(engine)
 
     def _sync_failed(self, exc: BaseException) -> None:
+        """The exporter gave up after a long run of failed syncs (a persistent error)."""
         self.errors.record("metrics.sync", exc)
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:

@@ -20,12 +20,16 @@ INTERNAL_ERRORS = "mmcache_fix_internal_errors_total"
 STALLS = "mmcache_fix_stalls_total"
 ROUND_TRIP_SECONDS = "mmcache_fix_engine_round_trip_seconds"
 ROUND_TRIPS_FAILED = "mmcache_fix_engine_round_trips_failed_total"
+ENGINE_LAST_ANSWER_AGE = "mmcache_fix_engine_last_answer_age_seconds"
+"""Seconds since each EngineCore last answered this API server's heartbeat (``engine``)."""
 
 # Label values.
 KIND_API_SERVER = "api_server"
 KIND_ENGINE_CORE = "engine_core"
 REPAIR_GHOST = "ghost_key_dropped"
 REPAIR_ORPHAN = "orphan_restored"
+CAUSE_CACHE_EVICTION = "cache_eviction"
+CAUSE_BUSY = "busy"
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,9 @@ class MetricSpec:
     """``counter``, ``gauge`` or ``histogram``."""
     labels: tuple[str, ...]
     help: str
+    multiprocess_mode: str = "livesum"
+    """How vLLM's multiprocess collector merges a gauge over API servers (``--api-server-count
+    > 1``): counters and histograms are always summed."""
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -76,21 +83,31 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         STALLS,
         "counter",
-        ("process",),
-        "Stalls seen by the stall sentinel: a thread stuck in one code location burning CPU.",
+        ("process", "cause"),
+        "Stalls seen by the stall sentinel: a thread stuck in one call burning CPU; "
+        "cause=cache_eviction inside the multimodal cache's eviction (vllm#43941), "
+        "cause=busy anywhere else.",
     ),
     MetricSpec(
         ROUND_TRIP_SECONDS,
         "histogram",
         (),
-        "Seconds of the /health round trip to EngineCore (a utility call its busy loop serves).",
+        "Seconds of each heartbeat round trip to EngineCore (answered by its input thread).",
     ),
     MetricSpec(
         ROUND_TRIPS_FAILED,
         "counter",
         ("engine",),
-        "/health checks that failed because an EngineCore did not answer in "
-        "MMCACHE_FIX_HEALTH_TIMEOUT seconds.",
+        "/health checks that failed because an EngineCore was stuck (its input thread silent, "
+        "or its busy loop inside one step, for MMCACHE_FIX_HEALTH_TIMEOUT seconds).",
+    ),
+    MetricSpec(
+        ENGINE_LAST_ANSWER_AGE,
+        "gauge",
+        ("engine",),
+        "Seconds since the EngineCore last answered the heartbeat (about 2 s when healthy; "
+        "NaN where the check is off for it); the freshest over API servers.",
+        multiprocess_mode="livemin",
     ),
 )
 

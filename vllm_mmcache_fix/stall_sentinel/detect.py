@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import CodeType, FrameType
 
 from ..core.procfs import ThreadCounters, read_own_thread
+from ..vllm_layout import EVICTION_CALLERS, EVICTION_FRAMES, STACK_FILE_MARKERS
 
 MIN_CPU_FRACTION = 0.8
 """A stalled thread uses at least this much of one core between two samples..."""
@@ -316,3 +317,14 @@ def stack_lines(frames: list[FrameType]) -> tuple[list[StackLine], int]:
         for frame in reversed(frames[-MAX_STACK_FRAMES:])
     ]
     return lines, len(frames)
+
+
+def in_cache_eviction(stack: list[StackLine]) -> bool:
+    """Whether a stalled stack is the multimodal cache's eviction loop (vllm#43941): an
+    eviction frame (``popitem``) and one of its callers, both in the LRU's files."""
+    names: set[str] = set()
+    for line in stack:
+        path = line.file.replace("\\", "/")
+        if any(marker in path for marker in STACK_FILE_MARKERS):
+            names.add(line.function.rsplit(".", 1)[-1])
+    return bool(names & EVICTION_FRAMES) and bool(names & EVICTION_CALLERS)

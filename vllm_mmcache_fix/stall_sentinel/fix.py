@@ -8,12 +8,12 @@ import threading
 import time
 from typing import Any
 
-from ..core import counters, log
+from ..core import counters, log, signals
 from ..core.lifecycle import DidNotEnable, Fix
-from ..core.messages import STALL, STALL_SENTINEL_ACTIVE
-from ..core.process import process_label, process_name
+from ..core.messages import BUSY, STALL, STALL_SENTINEL_ACTIVE
+from ..core.process import process_label
 from ..core.settings import ENV_STALL_SECONDS, Mode, read_mode, read_stall_seconds
-from .detect import Detector, Stall
+from .detect import Detector, Stall, in_cache_eviction
 
 INTERVAL_S = 1.0
 THREAD_NAME = "mmcache-fix-stall-sentinel"
@@ -21,27 +21,6 @@ NATIVE_THREAD_NAME = "mmcache-stall"
 """What ``top -H`` and ``/proc/<pid>/task/<tid>/comm`` show for the sentinel's thread."""
 ENGINE_CORE = "EngineCore"
 API_SERVER = "API server"
-
-
-def _title() -> str:
-    try:
-        with open("/proc/self/cmdline", "rb") as handle:
-            return handle.read().split(b"\0", 1)[0].decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def process_kind(name: str | None = None, title: str | None = None) -> str | None:
-    """``EngineCore``, ``API server``, or None for any other process (workers...)."""
-    name = process_name() if name is None else name
-    title = _title() if title is None else title
-    if name.startswith("EngineCore") or (name == "MainProcess" and "EngineCore" in title):
-        return ENGINE_CORE
-    if "Worker" in title or "Worker" in name:
-        return None
-    if name.startswith("ApiServer") or name == "MainProcess":
-        return API_SERVER
-    return None
 
 
 def _name_native_thread(name: str) -> None:
@@ -54,19 +33,34 @@ def _name_native_thread(name: str) -> None:
     libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
-def format_stall(stall: Stall, where: str) -> str:
+def stall_cause(stall: Stall) -> str:
+    """``cache_eviction`` when the stack holds the multimodal cache's eviction, else ``busy``."""
+    if in_cache_eviction(stall.stack):
+        return counters.STALL_CACHE_EVICTION
+    return counters.STALL_BUSY
+
+
+def format_stall(stall: Stall, where: str, cause: str) -> str:
     runnable = ""
     if stall.runnable_percent is not None:
         runnable = f" (runnable {stall.runnable_percent:.0f}%)"
-    lines = [
-        f"{STALL} {where}: thread {stall.thread_name!r} (tid {stall.native_id}) has stayed in "
+    seen = (
+        f"thread {stall.thread_name!r} (tid {stall.native_id}) has stayed in "
         f"{stall.anchor_function} (innermost {stall.top_function}) for {stall.seconds:.1f} s "
-        f"at {stall.cpu_percent:.0f}% CPU"
-        f"{runnable}, "
-        f"voluntary switches +{stall.voluntary}, involuntary +{stall.involuntary}; "
-        "a frozen engine answers no request (vllm#43941 stalls in LRUCache.popitem). "
-        "Stack, innermost first:"
-    ]
+        f"at {stall.cpu_percent:.0f}% CPU{runnable}, voluntary switches +{stall.voluntary}, "
+        f"involuntary +{stall.involuntary}"
+    )
+    if cause == counters.STALL_CACHE_EVICTION:
+        head = (
+            f"{STALL} {where}: {seen}; it spins in the multimodal cache's eviction "
+            "(vllm#43941): a frozen engine answers no request."
+        )
+    else:
+        head = (
+            f"{BUSY} for {stall.seconds:.0f} s in {where}: {seen}; not the multimodal cache "
+            "(no eviction frames on its stack): a long call, which vLLM may well finish."
+        )
+    lines = [head + " Stack, innermost first:"]
     lines += [f"    {line}" for line in stall.stack]
     if stall.frames_total > len(stall.stack):
         lines.append(f"    ... {stall.frames_total - len(stall.stack)} outer frames")
@@ -101,6 +95,7 @@ class StallSentinelFix(Fix):
         self.thread_cpu_s = 0.0
         self.stopped_reason: str | None = None
         self._thread: threading.Thread | None = None
+        self._pid: int | None = None
         self._stop = threading.Event()
         self._failed = False
         self._site = self.errors.site("stall.sample")
@@ -117,17 +112,18 @@ class StallSentinelFix(Fix):
         if setting.value == 0:
             raise DidNotEnable(f"{ENV_STALL_SECONDS}=0")
         self.threshold_s = setting.value
-        kind = process_kind()
-        if kind is None:
-            raise DidNotEnable("runs only in EngineCore and the API server")
-        self.kind = kind
+        # Started only where the process is positively identified: an EngineCore busy loop
+        # runs here, or an API server's engine client does (never a user's LLM(...) script).
+        signals.ENGINE_CORE_RUNNING.connect(self.start_in_engine_core)
+        signals.API_SERVER_SERVING.connect(self.start_in_api_server)
         if self not in _FORK_HOOKED:
             if not _FORK_HOOKED and hasattr(os, "register_at_fork"):
                 os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOKED.append(self)
-        self._start(decide_kind_later=False)
 
     def _uninstall(self) -> None:
+        signals.ENGINE_CORE_RUNNING.disconnect(self.start_in_engine_core)
+        signals.API_SERVER_SERVING.disconnect(self.start_in_api_server)
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -159,46 +155,47 @@ class StallSentinelFix(Fix):
 
     # -- the thread ------------------------------------------------------------------
 
-    def _start(self, *, decide_kind_later: bool) -> None:
-        self._stop = threading.Event()
-        self._failed = False
-        thread = threading.Thread(
-            target=self._run, args=(decide_kind_later,), name=THREAD_NAME, daemon=True
-        )
-        self._thread = thread
-        thread.start()
+    def start_in_engine_core(self) -> None:
+        self.start(ENGINE_CORE)
+
+    def start_in_api_server(self) -> None:
+        self.start(API_SERVER)
+
+    def start(self, kind: str) -> None:
+        """Run the sentinel in this process (once; ``kind`` names it in reports)."""
+        with self.lock:
+            if not self.enabled or self._failed:
+                return
+            thread = self._thread
+            if self._pid == os.getpid() and thread is not None and thread.is_alive():
+                return
+            self.kind = kind
+            self._pid = os.getpid()
+            self._stop = threading.Event()
+            thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self._thread = thread
+            thread.start()
 
     def _after_fork(self) -> None:
-        """A forked child has none of the parent's threads: start again, decide later.
-
-        vLLM forks EngineCore (and workers) from processes where the sentinel
-        runs; the child's name is set only after the fork, and vLLM does not call
-        plugins again in a forked child."""
+        """A forked child has none of the parent's threads and is not identified yet: it
+        starts its own sentinel when it is (an EngineCore's busy loop, say), not before."""
         self.lock = threading.RLock()
-        if not self.enabled or self._failed:
-            return
+        self._thread = None
+        self._pid = None
+        self.kind = None
         self.stalls = 0
         self.last_stall = None
         self.samples = 0
         self.sample_ms_total = self.sample_ms_max = self.thread_cpu_s = 0.0
-        self.kind = None
-        self._start(decide_kind_later=True)
 
-    def _run(self, decide_kind_later: bool) -> None:
+    def _run(self) -> None:
         try:
-            self._loop(decide_kind_later)
+            self._loop()
         except Exception as exc:
             self.errors.record("stall.thread", exc)
 
-    def _loop(self, decide_kind_later: bool) -> None:
+    def _loop(self) -> None:
         stop = self._stop
-        if decide_kind_later:
-            if stop.wait(self.interval_s):
-                return
-            self.kind = process_kind()
-            if self.kind is None:
-                self.stopped_reason = "not EngineCore or the API server"
-                return
         assert self.threshold_s is not None
         try:
             _name_native_thread(NATIVE_THREAD_NAME)
@@ -214,10 +211,10 @@ class StallSentinelFix(Fix):
                 if not announced and log.has_destination():
                     announced = True
                     log.info(
-                        "%s %s: one WARNING when a thread stays in the same code burning a "
+                        "%s %s: one WARNING when a thread stays in the same call burning a "
                         "core for more than %g s (%s), sampling every %g s",
                         STALL_SENTINEL_ACTIVE,
-                        process_label(),
+                        self._where(),
                         self.threshold_s,
                         ENV_STALL_SECONDS,
                         self.interval_s,
@@ -239,18 +236,22 @@ class StallSentinelFix(Fix):
             pass
 
     def _on_stall(self, stall: Stall) -> None:
+        cause = stall_cause(stall)
         self.stalls += 1
-        counters.count_stall()  # mmcache_fix_stalls_total on the API server's /metrics
+        counters.count_stall(cause)  # mmcache_fix_stalls_total{cause} on /metrics
         self.last_stall = {
             "thread": stall.thread_name,
             "tid": stall.native_id,
             "seconds": round(stall.seconds, 1),
             "in": stall.anchor_function,
+            "cause": cause,
             "cpu_percent": round(stall.cpu_percent, 1),
             "voluntary": stall.voluntary,
             "involuntary": stall.involuntary,
             "top": [str(line) for line in stall.stack[:5]],
         }
+        log.warning("%s", format_stall(stall, self._where(), cause))
+
+    def _where(self) -> str:
         label = process_label()
-        where = label if str(self.kind) in label else f"{self.kind} ({label})"
-        log.warning("%s", format_stall(stall, where))
+        return label if str(self.kind) in label else f"{self.kind} ({label})"

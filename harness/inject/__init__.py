@@ -1,0 +1,66 @@
+"""Faults and slow paths made on purpose in a real vLLM server (test-only, never the plugin).
+
+A ``sitecustomize`` in :data:`DIRECTORY`, put on the server's ``PYTHONPATH`` by
+:func:`inject_env`, patches vLLM as its modules are imported, in every process of the
+server (API server, EngineCore, workers), with the plugin loaded or not. What it does is
+chosen by environment variables (:func:`inject_env` writes them):
+
+- ``step_sleep_s``: every EngineCore step takes this much longer (a sleep inside
+  ``EngineCoreProc._process_engine_step``, as a large model on a slow accelerator);
+- ``utility_sleep_s``: EngineCore's ``reset_prefix_cache`` utility call takes this much
+  longer (vLLM's dev-mode ``POST /reset_prefix_cache`` runs it; as a profiler stop, a weight
+  sync or a LoRA load would);
+- ``fork``: undo the CPU platform's forced ``spawn`` (``VLLM_WORKER_MULTIPROC_METHOD``), so
+  EngineCore is forked from the API server as on GPU and Ascend images;
+- trigger files in ``trigger_dir``: while ``stuck-step`` exists, the next step does not
+  return (a busy loop stuck inside one step); ``burn-api`` (its text: seconds) makes the
+  next ``AsyncLLM.generate`` in the API server burn that much CPU in pure Python, in the
+  request path, before it goes on.
+
+Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DIRECTORY = Path(__file__).resolve().parent / "site"
+ENV_STEP_SLEEP = "MMCACHE_INJECT_STEP_SLEEP_S"
+ENV_UTILITY_SLEEP = "MMCACHE_INJECT_UTILITY_SLEEP_S"
+ENV_FORK = "MMCACHE_INJECT_FORK"
+ENV_TRIGGERS = "MMCACHE_INJECT_DIR"
+STUCK_STEP = "stuck-step"
+BURN_API = "burn-api"
+STUCK_STEP_MAX_S = 900.0
+"""A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
+
+
+def inject_env(
+    base: dict[str, str] | None = None,
+    *,
+    step_sleep_s: float = 0.0,
+    utility_sleep_s: float = 0.0,
+    fork: bool = False,
+    trigger_dir: Path | None = None,
+) -> dict[str, str]:
+    """``base`` (a server's extra environment) plus the injections asked for; the
+    ``sitecustomize`` goes first on ``PYTHONPATH`` and runs any other one found after it."""
+    env = dict(base or {})
+    paths = [str(DIRECTORY), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if step_sleep_s:
+        env[ENV_STEP_SLEEP] = str(step_sleep_s)
+    if utility_sleep_s:
+        env[ENV_UTILITY_SLEEP] = str(utility_sleep_s)
+    if fork:
+        env[ENV_FORK] = "1"
+    if trigger_dir is not None:
+        env[ENV_TRIGGERS] = str(trigger_dir)
+    return env
+
+
+def trigger(trigger_dir: Path, name: str, text: str = "") -> Path:
+    path = Path(trigger_dir) / name
+    path.write_text(text)
+    return path

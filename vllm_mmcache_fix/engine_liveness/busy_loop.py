@@ -1,0 +1,62 @@
+"""What EngineCore's busy loop is doing, as the input thread's answer reports it.
+
+The busy loop writes its state (:class:`LoopState`) as it enters and leaves a step or a
+request; the input thread reads it when it answers a heartbeat ping. One tuple is swapped
+per change, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+IDLE = "idle"
+"""Between steps: waiting for requests, or about to step."""
+STEP = "step"
+ADD = "add"
+ABORT = "abort"
+UTILITY = "utility"
+"""A utility call (``detail`` names it): healthy however long it runs (profiler stop, weight
+sync, LoRA load, sleep/wake)."""
+
+STUCK_STATES = frozenset({STEP, ADD, ABORT})
+"""States in which one long stay is evidence of a stuck engine (above the timeout)."""
+
+ANSWER_SCHEMA = 2
+VIA_INPUT_THREAD = "input thread"
+VIA_BUSY_LOOP = "busy loop"
+
+
+class Phase(NamedTuple):
+    state: str
+    detail: str
+    since: float
+    """``time.monotonic()`` in EngineCore when the busy loop entered it."""
+
+
+class LoopState:
+    """Written by the busy loop only; read from any thread (:meth:`snapshot`)."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self) -> None:
+        self.phase = Phase(IDLE, "", time.monotonic())
+
+    def enter(self, state: str, detail: str = "") -> Phase:
+        """Enter ``state``; returns the phase to give back to :meth:`leave`."""
+        previous = self.phase
+        self.phase = Phase(state, detail, time.monotonic())
+        return previous
+
+    def leave(self, previous: Phase) -> None:
+        # Back to what the loop was doing: idle after a step, or the outer phase when a phase
+        # was entered inside another one (its ``since`` kept).
+        if previous.state == IDLE:
+            self.phase = Phase(IDLE, "", time.monotonic())
+        else:
+            self.phase = previous
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        phase = self.phase
+        now = time.monotonic() if now is None else now
+        return {"state": phase.state, "detail": phase.detail, "for_s": max(0.0, now - phase.since)}

@@ -1,0 +1,468 @@
+"""The API server's heartbeat to each EngineCore, and the verdict ``/health`` reads.
+
+One asyncio task per engine client, in the client's own event loop, wakes every
+:data:`TICK_S` and sends each engine a ping (a utility call EngineCore's input thread
+answers, :mod:`.answer`) every :data:`PING_INTERVAL_S`. ``/health`` never waits on EngineCore:
+it reads the verdict the heartbeat keeps. An engine is judged stuck only on evidence:
+
+- **silent**: two pings unanswered, the older one for longer than the timeout (the second is
+  sent when the first is half the timeout old: one lost answer is never taken for a dead
+  thread). EngineCore's input thread answers in milliseconds whatever the busy loop does, so
+  silence means that thread is dead or spinning (the 0.23.0 incident; 0.11-0.13's
+  ``Expected a cached item`` assertion ending it). At most two pings per engine are in flight.
+  This verdict is taken only at a tick that came on time: after the event loop itself was
+  blocked (a long call in the request path), answers that wait in the socket are read first.
+- **loop stuck**: an answer says the busy loop has been inside one step (or one add/abort)
+  for longer than the timeout. A utility call is healthy however long it runs.
+
+An engine that cannot answer (no ping method: vLLM's failure reply; a client without
+``engine=``; answers from the busy loop only) has its check turned off, with one WARNING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import log
+from ..core.messages import (
+    ENGINE_ANSWERS_AGAIN,
+    ENGINE_CHECK_OFF,
+    ENGINE_LOOP_STUCK,
+    ENGINE_NOT_ANSWERING,
+)
+from ..core.process import process_label
+from ..vllm_layout import (
+    CLIENT_CALL_UTILITY,
+    CLIENT_ENGINE_PARAM,
+    CLIENT_ENGINES,
+    CLIENT_INDEX,
+    CLIENT_RESOURCES,
+    ENGINE_PING_METHOD,
+)
+from .busy_loop import STUCK_STATES
+
+TICK_S = 1.0
+"""How often the heartbeat wakes: sends what is due, takes the silent verdict."""
+PING_INTERVAL_S = 2.0
+"""Seconds between two pings to one engine (docs/health.md: the cost and the bound)."""
+MAX_LAG_S = 1.0
+"""A tick later than this saw an event loop that was blocked: no silent verdict at it."""
+MAX_PENDING = 2
+
+SILENT = "silent"
+LOOP = "loop"
+
+Clock = Callable[[], float]
+
+
+def engine_name(index: int, count: int) -> str:
+    """vLLM's own name of the process: ``EngineCore`` alone, ``EngineCore_DP<N>`` with DP."""
+    return "EngineCore" if count == 1 else f"EngineCore_DP{index}"
+
+
+def _clock_text(wall: float | None) -> str:
+    if wall is None:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(wall)) + " UTC"
+
+
+def accepts_engine(call: Any) -> bool:
+    """Whether a client's ``_call_utility_async`` takes ``engine=`` (one engine per call)."""
+    try:
+        params = inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get(CLIENT_ENGINE_PARAM)
+    return param is not None and param.kind in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+
+
+def client_is_dead(client: Any) -> bool:
+    resources = getattr(client, CLIENT_RESOURCES[0], None)
+    return bool(getattr(resources, CLIENT_RESOURCES[1], False))
+
+
+@dataclass
+class Ping:
+    sent_at: float
+    sent_wall: float
+
+
+@dataclass
+class EngineBeat:
+    """One engine as this API server's heartbeat sees it."""
+
+    name: str
+    identity: Any
+    started_at: float
+    pending: list[Ping] = field(default_factory=list)
+    """Unanswered pings, oldest first (at most :data:`MAX_PENDING`)."""
+    last_sent: float = -math.inf
+    answered_at: float | None = None
+    answered_wall: float | None = None
+    round_trip_s: float | None = None
+    loop: dict[str, Any] | None = None
+    """The busy loop's state in the last answer (``state``, ``detail``, ``for_s``)."""
+    counts: dict[str, Any] | None = None
+    """The plugin counters EngineCore sent with its last answer."""
+    stuck: str | None = None
+    """Why ``/health`` fails for this engine (None: it does not)."""
+    stuck_kind: str | None = None
+    off: str | None = None
+    """Why this engine's check is off (None: it is on)."""
+    answers: int = 0
+    failed_checks: int = 0
+
+    def age(self, now: float) -> float:
+        """Seconds since the last answer (since the heartbeat started, before the first)."""
+        return now - (self.answered_at if self.answered_at is not None else self.started_at)
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "answers": self.answers,
+            "pending": len(self.pending),
+            "last_answer_age_s": round(self.age(now), 3),
+            "answered_at": self.answered_wall,
+            "round_trip_s": self.round_trip_s,
+            "loop": dict(self.loop) if self.loop else None,
+            "stuck": self.stuck,
+            "off": self.off,
+            "failed_checks": self.failed_checks,
+        }
+
+
+class Heartbeat:
+    """The heartbeat of one engine client (its engines, its task)."""
+
+    def __init__(
+        self,
+        client: Any,
+        timeout: float,
+        on_answer: Callable[[str, float], None] = lambda engine, seconds: None,
+        clock: Clock = time.monotonic,
+        guard: Any = None,
+        enabled: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.timeout = timeout
+        self.on_answer = on_answer
+        self.clock = clock
+        self.guard = guard if guard is not None else contextlib.nullcontext()
+        """Around the heartbeat's own work (a ``Site``: an error there is the plugin's)."""
+        self.enabled = enabled
+        self.client_index = getattr(client, CLIENT_INDEX, 0)
+        self._client = weakref.ref(client)
+        self.beats: list[EngineBeat] = []
+        self.task: asyncio.Future[Any] | None = None
+        self.stopped: str | None = None
+        self.started_at = clock()
+        self.pings: set[asyncio.Future[Any]] = set()
+        self._refresh(client)
+        call = getattr(client, CLIENT_CALL_UTILITY, None)
+        if not accepts_engine(call):
+            for beat in self.beats:
+                self.turn_off(
+                    beat,
+                    f"this vLLM's {type(client).__name__}.{CLIENT_CALL_UTILITY} has no "
+                    f"{CLIENT_ENGINE_PARAM}= parameter (it cannot ask one engine)",
+                )
+
+    # -- the task ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the task in the running event loop (the caller's)."""
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        try:
+            expected = self.clock()
+            while self.stopped is None:
+                now = self.clock()
+                client = self._client()
+                if client is None:
+                    self.stop("the engine client is gone")
+                    return
+                if client_is_dead(client):
+                    self.stop("EngineCore is dead (vLLM's own check reports it)")
+                    return
+                if not self.enabled():
+                    self.stop("switched off after an internal error")
+                    return
+                with self.guard:
+                    self.tick(client, now, responsive=now - expected <= MAX_LAG_S)
+                del client
+                expected = self.clock() + TICK_S
+                await asyncio.sleep(TICK_S)
+        except asyncio.CancelledError:
+            self.stop("cancelled")
+            raise
+
+    def stop(self, reason: str) -> None:
+        """No verdict any more: ``/health`` is vLLM's own again. Pings in flight are left to
+        finish (cancelling one would leave vLLM a reply for a call it forgot)."""
+        if self.stopped is None:
+            self.stopped = reason
+        for beat in self.beats:
+            beat.stuck = beat.stuck_kind = None
+        task = self.task
+        if task is not None and not task.done() and task is not _current_task():
+            task.cancel()
+
+    # -- one tick ------------------------------------------------------------------
+
+    def tick(self, client: Any, now: float, *, responsive: bool) -> None:
+        """Send what is due; take the silent verdict (only when the loop ran on time)."""
+        self._refresh(client)
+        for beat in self.beats:
+            if beat.off is not None:
+                continue
+            if not beat.pending:
+                if now - beat.last_sent >= PING_INTERVAL_S:
+                    self.send(client, beat, now)
+            elif len(beat.pending) < MAX_PENDING and now - beat.pending[0].sent_at >= (
+                self.timeout / 2
+            ):
+                self.send(client, beat, now)  # confirm: one lost answer is not a dead thread
+            oldest = beat.pending[0] if beat.pending else None
+            if (
+                responsive
+                and oldest is not None
+                and len(beat.pending) >= MAX_PENDING
+                and now - oldest.sent_at > self.timeout
+            ):
+                self._set_stuck(
+                    beat,
+                    SILENT,
+                    f"{beat.name} has not answered for {now - oldest.sent_at:.1f} s "
+                    f"({len(beat.pending)} pings sent since {_clock_text(oldest.sent_wall)}; "
+                    f"last answer: {_clock_text(beat.answered_wall)}; "
+                    f"MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}): its input thread reads no "
+                    "request (dead, or spinning)",
+                )
+
+    def send(self, client: Any, beat: EngineBeat, now: float) -> None:
+        ping = Ping(now, time.time())
+        beat.pending.append(ping)
+        beat.last_sent = now
+        call = getattr(client, CLIENT_CALL_UTILITY)
+        task = asyncio.get_running_loop().create_task(self._ping(beat, ping, call))
+        self.pings.add(task)
+        task.add_done_callback(self.pings.discard)
+
+    async def _ping(self, beat: EngineBeat, ping: Ping, call: Callable[..., Any]) -> None:
+        try:
+            reply = await call(ENGINE_PING_METHOD, **{CLIENT_ENGINE_PARAM: beat.identity})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            with self.guard:
+                self._failed(beat, ping, exc)
+            return
+        with self.guard:
+            self.answered(beat, ping, reply, self.clock())
+
+    # -- answers -------------------------------------------------------------------
+
+    def answered(self, beat: EngineBeat, ping: Ping, reply: Any, now: float) -> None:
+        if ping in beat.pending:
+            # An answer also settles every older ping: one that was lost is never awaited.
+            del beat.pending[: beat.pending.index(ping) + 1]
+        beat.answers += 1
+        beat.answered_at = now
+        beat.answered_wall = time.time()
+        beat.round_trip_s = now - ping.sent_at
+        if not isinstance(reply, Mapping):
+            self.turn_off(beat, f"its {ENGINE_PING_METHOD} answered {type(reply).__name__}")
+            return
+        if reply.get("input_thread") is not True:
+            self.turn_off(
+                beat,
+                "it answers from its busy loop only (its input thread is not hooked: "
+                f"pid {reply.get('pid')}, answer schema {reply.get('schema')}), so a long step "
+                "or utility call could not be told from a stuck engine",
+            )
+            return
+        loop = reply.get("loop")
+        beat.loop = dict(loop) if isinstance(loop, Mapping) else None
+        counts = reply.get("counts")
+        beat.counts = dict(counts) if isinstance(counts, Mapping) else None
+        self.on_answer(beat.name, beat.round_trip_s)
+        self.judge_loop(beat)
+
+    def judge_loop(self, beat: EngineBeat) -> None:
+        """An answer came: the input thread lives; the busy loop may still be stuck."""
+        loop = beat.loop or {}
+        state = loop.get("state")
+        seconds = loop.get("for_s")
+        if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > self.timeout:
+            self._set_stuck(
+                beat,
+                LOOP,
+                f"{beat.name}'s busy loop has been inside one {state} for {seconds:.1f} s "
+                f"(MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}); its input thread still "
+                "answers",
+            )
+        else:
+            self._clear_stuck(beat)
+
+    def _failed(self, beat: EngineBeat, ping: Ping, exc: Exception) -> None:
+        if ping in beat.pending:
+            beat.pending.remove(ping)
+        client = self._client()
+        if self.stopped is not None or client is None or client_is_dead(client):
+            return  # the engine died or is shutting down: vLLM's own check says so
+        if any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__):
+            self.stop("EngineCore is dead (vLLM's own check reports it)")
+            return
+        self.turn_off(beat, f"its ping failed: {type(exc).__name__}: {exc}")
+
+    def turn_off(self, beat: EngineBeat, why: str) -> None:
+        if beat.off is not None:
+            return
+        beat.off = why
+        beat.stuck = beat.stuck_kind = None
+        log.warning(
+            "%s %s in %s: %s. /health no longer judges it (vLLM's own check still runs); "
+            "install vllm-mmcache-fix where EngineCore runs, with the same version",
+            ENGINE_CHECK_OFF,
+            beat.name,
+            process_label(),
+            why,
+        )
+
+    def _set_stuck(self, beat: EngineBeat, kind: str, text: str) -> None:
+        first = beat.stuck is None
+        beat.stuck, beat.stuck_kind = text, kind
+        if first:
+            log.warning(
+                "%s in %s: %s; /health now fails. Run 'vllm-mmcache-fix diagnose --pid <API "
+                "server pid>' to see where",
+                ENGINE_NOT_ANSWERING if kind == SILENT else ENGINE_LOOP_STUCK,
+                process_label(),
+                text,
+            )
+
+    def _clear_stuck(self, beat: EngineBeat) -> None:
+        if beat.stuck is None:
+            return
+        was = beat.stuck
+        beat.stuck = beat.stuck_kind = None
+        log.warning(
+            "%s in %s: %s (it was: %s)",
+            ENGINE_ANSWERS_AGAIN,
+            process_label(),
+            beat.name,
+            was,
+        )
+
+    # -- engines -------------------------------------------------------------------
+
+    def _refresh(self, client: Any) -> None:
+        engines = getattr(client, CLIENT_ENGINES, None)
+        if not isinstance(engines, Sequence):
+            return
+        identities = list(engines)
+        if [b.identity for b in self.beats] == identities:
+            return
+        # First call, or the engines changed (elastic DP): keep the beats still valid.
+        old = {b.identity: b for b in self.beats}
+        now = self.clock()
+        beats = [old.get(e) or EngineBeat("", e, now) for e in identities]
+        for index, beat in enumerate(beats):
+            beat.name = engine_name(index, len(beats))
+        self.beats = beats
+
+    def verdict(self) -> list[EngineBeat]:
+        """The engines ``/health`` fails for now."""
+        if self.stopped is not None:
+            return []
+        return [b for b in self.beats if b.stuck is not None and b.off is None]
+
+
+def _current_task() -> asyncio.Future[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+@dataclass
+class Liveness:
+    """The heartbeats of every engine client in this process."""
+
+    timeout: float
+    on_answer: Callable[[str, float], None] = lambda engine, seconds: None
+    heartbeats: weakref.WeakKeyDictionary[Any, Heartbeat] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+
+    @staticmethod
+    def usable(client: Any) -> bool:
+        """Whether ``client`` talks to EngineCore processes through utility calls."""
+        return callable(getattr(client, CLIENT_CALL_UTILITY, None)) and isinstance(
+            getattr(client, CLIENT_ENGINES, None), Sequence
+        )
+
+    guard: Any = None
+    enabled: Callable[[], bool] = lambda: True
+
+    def attach(self, client: Any) -> Heartbeat | None:
+        """The heartbeat of ``client``, started now (in the running loop) if it was not;
+        None for a client without engine processes."""
+        if not self.usable(client):
+            return None
+        beat = self.heartbeats.get(client)
+        if beat is not None:
+            return beat
+        beat = Heartbeat(
+            client, self.timeout, self.on_answer, guard=self.guard, enabled=self.enabled
+        )
+        self.heartbeats[client] = beat
+        beat.start()
+        return beat
+
+    def _all(self) -> list[Heartbeat]:
+        for _ in range(3):  # read from the metrics thread while the event loop may add one
+            try:
+                return list(self.heartbeats.values())
+            except RuntimeError:
+                continue
+        return []
+
+    def engine_counts(self) -> list[Mapping[str, Any]] | None:
+        """EngineCore's counters for ``/metrics``, from the first API server only (else None)."""
+        for beat in self._all():
+            if beat.client_index == 0:
+                return [b.counts for b in list(beat.beats) if b.counts is not None]
+        return None
+
+    def ages(self, now: float | None = None) -> dict[str, float]:
+        """Seconds since each engine last answered (NaN where its check is off)."""
+        now = time.monotonic() if now is None else now
+        out: dict[str, float] = {}
+        for beat in self._all():
+            if beat.stopped is not None:
+                continue
+            for engine in list(beat.beats):
+                age = math.nan if engine.off is not None else engine.age(now)
+                if engine.name not in out or age < out[engine.name]:
+                    out[engine.name] = age
+        return out
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {**engine.status(now), "stopped": beat.stopped}
+            for beat in self._all()
+            for engine in list(beat.beats)
+        ]
