@@ -150,12 +150,18 @@ def _forget(
             del instances[key]
 
 
+def _forgotten(
+    key: tuple[int, str], holder: list[_InstanceChange], forget: Any, _ref: Any
+) -> None:
+    forget(key, holder[0])
+
+
 def _track(key: tuple[int, str], obj: Any, change_of: Any) -> None:
     # change_of(ref) builds the record; the callback drops it when obj dies.
     holder: list[_InstanceChange] = []
     ref: Callable[[], Any]
     try:
-        ref = weakref.ref(obj, lambda _r, forget=_forget: forget(key, holder[0]))
+        ref = weakref.ref(obj, functools.partial(_forgotten, key, holder, _forget))
     except TypeError:
         ref = lambda: obj  # noqa: E731  (not weakly referenceable: keep it)
     change = change_of(ref)
