@@ -1,9 +1,11 @@
-"""The liveness round trip's two ends on installed vLLM builds (no server).
+"""The heartbeat's two ends on installed vLLM builds (no server, no engine behind the classes).
 
-In a process named like EngineCore, the plugin adds ``EngineCore.mmcache_fix_ping`` to
-the real class and vLLM's own utility dispatch (``getattr(engine, name)(*args)``)
-answers with the counters; in the API server, the real ``AsyncLLM.check_health`` is
-wrapped, and a real ``AsyncMPClient`` has the call the round trip uses.
+EngineCore's side on vLLM's real ``EngineCoreProc``: once adopted (what the busy loop's first
+``_process_input_queue`` does), a ping put on the input queue by another thread (as the input
+thread does) is answered right there through vLLM's own ``_handle_client_request``, and the
+answer says what vLLM's own ``_process_engine_step`` or a utility call the busy loop runs is
+doing. The API server's side: the real ``AsyncLLM`` is wrapped and the real async client's
+utility call takes ``engine=``.
 """
 
 from __future__ import annotations
@@ -20,24 +22,62 @@ from harness.venvs import e2e_versions, venv_python
 VERSIONS = e2e_versions()
 
 CODE = r"""
-import inspect, json, multiprocessing
-multiprocessing.current_process().name = "EngineCore"
+import json, queue, threading, types
 import vllm.v1.engine.core as core
-import vllm_mmcache_fix
-from vllm_mmcache_fix import plugin
-plugin.instrument()
-engine = object.__new__(core.EngineCore)
-method = getattr(engine, "mmcache_fix_ping")  # what _handle_client_request looks up
-answer = method()
-multiprocessing.current_process().name = "APIServer"
 import vllm.v1.engine.async_llm as async_llm
 import vllm.v1.engine.core_client as cc
-wrapped = async_llm.AsyncLLM.check_health
-params = inspect.signature(cc.AsyncMPClient._call_utility_async).parameters
+from vllm.v1.engine import EngineCoreRequestType as T
+import vllm_mmcache_fix
+from vllm_mmcache_fix import plugin
+from vllm_mmcache_fix.core import registry, signals
+from vllm_mmcache_fix.engine_liveness.heartbeat import accepts_engine
+
+identified = []
+signals.ENGINE_CORE_RUNNING.connect(lambda: identified.append("EngineCore"))
+plugin.instrument()
+
+engine = object.__new__(core.EngineCoreProc)  # vLLM's class; no model, no sockets
+engine.input_queue = queue.Queue()
+engine.output_queue = queue.Queue()
+if hasattr(core, "EngineShutdownState"):
+    engine.shutdown_state = core.EngineShutdownState.RUNNING
+plugin.ENGINE_ANSWER.adopt(engine)
+
+
+def ping(call_id):
+    # What the input thread does with a decoded utility request.
+    request = (T.UTILITY, [0, call_id, "mmcache_fix_ping", []])
+    thread = threading.Thread(target=engine.input_queue.put_nowait, args=(request,), name="in")
+    thread.start(); thread.join()
+    _, outputs = engine.output_queue.get(timeout=5)
+    out = outputs.utility_output
+    return {"call_id": out.call_id, "failure": out.failure_message,
+            "result": out.result.result if out.result is not None else None}
+
+
+idle = ping(1)
+during = {}
+engine.step_fn = lambda: (during.__setitem__("step", ping(2)), ({}, True))[1]
+engine.post_step = lambda *args, **kwargs: None
+engine.scheduler = types.SimpleNamespace(has_requests=lambda: False)
+core.EngineCoreProc._process_engine_step(engine)
+engine.slow_utility = lambda: during.__setitem__("utility", ping(3)) or "done"
+engine._handle_client_request(T.UTILITY, [0, 4, "slow_utility", []])
+_, slow = engine.output_queue.get(timeout=5)
+
 print(json.dumps({
-    "answer": answer,
-    "health_wrapped": getattr(wrapped, "__wrapped__", None) is not None,
-    "client_call_has_engine": "engine" in params,
+    "idle": idle,
+    "step": during["step"],
+    "utility": during["utility"],
+    "slow_reply": slow.utility_output.result.result,
+    "queued_for_busy_loop": engine.input_queue.qsize(),
+    "identified": identified,
+    "patched": sorted(
+        f"{e.owner.__name__}.{e.attr}" for e in registry.applied()
+        if e.patch_id.startswith("engine-liveness")
+    ),
+    "client_call_has_engine": accepts_engine(cc.AsyncMPClient._call_utility_async),
+    "health_wrapped": getattr(async_llm.AsyncLLM.check_health, "__wrapped__", None) is not None,
     "fixes": {k: v["enabled"] for k, v in vllm_mmcache_fix.status()["fixes"].items()},
 }))
 """
@@ -46,7 +86,8 @@ print(json.dumps({
 @pytest.mark.parametrize("version", VERSIONS)
 def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     venv = vllm_venv(version)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env.update({"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"})
     proc = subprocess.run(
         [str(venv_python(venv)), "-c", CODE],
         capture_output=True,
@@ -57,9 +98,27 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    answer = out["answer"]
-    assert answer["schema"] == 1 and isinstance(answer["pid"], int), out
-    assert set(answer["counts"]) >= {"protected", "ghost_keys_dropped", "stalls"}, out
+    idle = out["idle"]
+    assert idle["call_id"] == 1 and idle["failure"] is None, out
+    answer = idle["result"]
+    assert answer["via"] == "input thread" and answer["input_thread"] is True, out
+    assert answer["loop"]["state"] == "idle", out
+    assert set(answer["counts"]) >= {"protected", "stalls_cache_eviction", "stalls_busy"}, out
+    assert out["step"]["result"]["loop"]["state"] == "step", out
+    utility = out["utility"]["result"]["loop"]
+    assert utility["state"] == "utility" and utility["detail"] == "slow_utility", out
+    assert out["slow_reply"] == "done", out
+    assert out["queued_for_busy_loop"] == 0, out  # no ping ever reached the busy loop
+    assert out["identified"] == ["EngineCore"], out
+    assert out["patched"] == [
+        "AsyncLLM.__init__",
+        "AsyncLLM.check_health",
+        "EngineCore.mmcache_fix_ping",
+        "EngineCoreProc._handle_client_request",
+        "EngineCoreProc._process_engine_step",
+        "EngineCoreProc._process_input_queue",
+    ], out
+    assert out["client_call_has_engine"] is True and out["health_wrapped"] is True, out
     assert out["fixes"]["engine-liveness-answer"] is True, out
-    assert out["health_wrapped"] is True, out
-    assert out["client_call_has_engine"] is True, out
+    assert out["fixes"]["engine-liveness-health"] is True, out
+    assert "Invocation of" not in proc.stdout + proc.stderr

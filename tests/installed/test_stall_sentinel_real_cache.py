@@ -27,6 +27,8 @@ PROGRAM = textwrap.dedent(
     from vllm_mmcache_fix.stall_sentinel.fix import StallSentinelFix
     from vllm.utils.cache import LRUCache
     sentinel = StallSentinelFix(); sentinel.install()
+    from vllm_mmcache_fix.core import signals
+    signals.ENGINE_CORE_RUNNING.send()  # identified, as an EngineCore's busy loop does
     cache = LRUCache(2)
     cache.touch("ghost")
     def fill():
@@ -58,7 +60,9 @@ def test_sentinel_reports_vllms_lru_cache_spinning_on_a_ghost_key(vllm_venv) -> 
     header = lines[headers[0]]
     assert "thread 'cache-writer'" in header, header
     assert "stayed in Cache.__setitem__ (innermost" in header, header
+    assert "vllm#43941" in header, header  # the eviction frames are on the stack
     stack = [line.strip() for line in lines[headers[0] + 1 : headers[0] + 12]]
     assert any("vllm/utils/cache.py" in line and "LRUCache.popitem" in line for line in stack)
     assert any("cachetools/__init__.py" in line for line in stack), stack
     assert status["stalls"] == 1 and status["last_stall"]["in"] == "Cache.__setitem__"
+    assert status["last_stall"]["cause"] == "cache_eviction"
