@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "apply-patch": "harness.apply_patch",
     "unit-pythons": "harness.pythons",
     "health-rtt": "harness.health",
+    "health-load": "harness.health_load",
     "sentinel-cost": "harness.sentinel_cost",
     "matrix": "harness.matrix",
 }

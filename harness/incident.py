@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,7 @@ class StepResult(Reply):
 
     step: str = ""
     detail: str = ""  # short summary: error message or "ok"
+    sent_at: float = 0.0  # time.monotonic() when the request was sent
 
 
 @dataclass
@@ -210,8 +212,9 @@ def run_incident(
         result.prompt_words, result.prompt_text_tokens = words, tokens
 
         def send(step: str, text: str, index: int) -> StepResult:
+            sent_at = time.monotonic()
             reply = http_post(url, media_payload(text, modality, index), request_timeout)
-            res = StepResult(**dataclasses.asdict(reply), step=step)
+            res = StepResult(**dataclasses.asdict(reply), step=step, sent_at=sent_at)
             res.detail = res.error or _short_body(res.body)
             res.body = res.body[:600]
             result.steps.append(res)

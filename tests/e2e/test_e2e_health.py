@@ -4,12 +4,13 @@ The frozen-engine cases replay the incident on vLLM 0.23.0 (where it freezes Eng
 without the eviction fix) while a thread polls ``/health`` every 0.5 s:
 
 - plugin loaded, eviction fix off (``MMCACHE_FIX_MODE=warn``), liveness on: ``/health``
-  answers 200 until EngineCore spins, then 503 within the timeout plus a margin, and
-  ``/metrics`` counts the failed round trips;
+  answers 200 until EngineCore's input thread spins, then 503 within the timeout plus a
+  margin of the freezing request, and ``/metrics`` counts the failed checks;
 - plugin on (default): ``/health`` stays 200 through the whole replay;
 - plugin kept out: ``/health`` stays 200 while EngineCore spins (vLLM's own check).
 
-The metrics cases scrape ``/metrics`` on every e2e version, and with two API servers.
+The metrics cases scrape ``/metrics`` on every e2e version, and with two API servers; the
+engine heartbeat brings EngineCore's counters there without any ``/health`` call.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm_mmcache_fix.metrics import names
 
 VERSIONS = e2e_versions()
 FREEZE_VERSION = "0.23.0"
-TIMEOUT_S = 3.0
+TIMEOUT_S = 5.0
 MARGIN_S = 5.0
 MIN_POLLS = 12
 
@@ -102,8 +103,8 @@ def test_health_fails_when_enginecore_spins(plugin_wheel: Path, vllm_venv) -> No
     first_bad = next(i for i, (_, status, _) in enumerate(polls) if status != 200)
     assert all(status == 200 for _, status, _ in polls[:first_bad]), report
     assert {status for _, status, _ in polls[first_bad:]} == {503}, report
-    gap = polls[first_bad][0] - polls[first_bad - 1][0]
-    assert gap <= TIMEOUT_S + MARGIN_S, report
+    hung = next(s for s in result.steps if s.timed_out)
+    assert polls[first_bad][0] - hung.sent_at <= TIMEOUT_S + MARGIN_S, report
     inspection = result.inspection
     assert inspection["health"] == 503 and inspection["health_s"] <= TIMEOUT_S + MARGIN_S, report
     failed = inspection["metrics"].get(f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}', 0)
@@ -112,7 +113,7 @@ def test_health_fails_when_enginecore_spins(plugin_wheel: Path, vllm_venv) -> No
         x for lines in result.plugin_lines.values() for x in lines if ENGINE_NOT_ANSWERING in x
     ]
     assert len(logged) == 1 and "EngineCore has not answered" in logged[0], report
-    assert "round trip sent at" in logged[0], report
+    assert "pings sent since" in logged[0] and "input thread" in logged[0], report
 
 
 def test_health_stays_200_with_the_fix(plugin_wheel: Path, vllm_venv) -> None:
@@ -131,7 +132,7 @@ def test_health_stays_200_with_the_fix(plugin_wheel: Path, vllm_venv) -> None:
     assert m[f'{names.PROTECTED_PROCESSES}{{kind="engine_core"}}'] == 1, report
     assert m.get(names.ROLLBACKS, 0) >= 1, report  # request (a) was rolled back
     assert not any(k.startswith(names.ROUND_TRIPS_FAILED) and v for k, v in m.items()), report
-    assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 10, report
+    assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 5, report  # a heartbeat every 2 s
 
 
 def test_health_stays_200_while_frozen_without_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
@@ -149,14 +150,21 @@ def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list
     model = tiny_models.ensure_model(venv)
     tag = "x".join(extra_args[1:2]) or "1"
     log = new_log_path(f"metrics-{version}-api{tag}")
+    engine_series = f'{names.PROTECTED_PROCESSES}{{kind="{names.KIND_ENGINE_CORE}"}}'
     with ServerLock().hold(purpose="metrics e2e") as lock:
         set_plugin(venv, plugin_wheel)
         with Server(venv, model, log, extra_args=extra_args, lock=lock) as server:
-            server.wait_ready(240)
-            # 12 calls: with two API servers, each gets some (the kernel spreads connections).
+            assert server.proc is not None
+            # No /health before the scrape: EngineCore's counters come with the heartbeat
+            # (every 2 s) to the first API server, whoever is asked.
+            deadline = time.monotonic() + 300
+            status, metrics, text = None, {}, ""
+            while time.monotonic() < deadline and server.proc.poll() is None:
+                status, metrics, text = scrape(server.base_url)
+                if metrics.get(engine_series) == 1:
+                    break
+                time.sleep(1.0)
             healths = [http_get(server.base_url + "/health", 30)[0] for _ in range(12)]
-            time.sleep(2.5)  # the metrics thread syncs every second
-            status, metrics, text = scrape(server.base_url)
     return healths, status, metrics, text, log
 
 
@@ -165,6 +173,7 @@ def _assert_all_metrics(metrics: dict[str, float], text: str, log: Path) -> None
         assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, log)
     assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="engine_core"}}'] == 1, (metrics, log)
     assert metrics[f"{names.ROUND_TRIP_SECONDS}_count"] >= 1, (metrics, log)
+    assert metrics[f'{names.ENGINE_LAST_ANSWER_AGE}{{engine="EngineCore"}}'] < 10, (metrics, log)
     assert not any(k.startswith("vllm") for k in metrics), metrics
 
 

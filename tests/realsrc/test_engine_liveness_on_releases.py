@@ -1,0 +1,109 @@
+"""What the heartbeat's EngineCore side relies on, in every release's own ``core.py``.
+
+The plugin adopts an engine at the busy loop's first ``_process_input_queue`` (both busy
+loops call it), stamps ``_process_engine_step`` and ``_handle_client_request``, and hooks the
+input queue's ``put_nowait``, which the input thread calls for every request; a utility
+request is ``(client_index, call_id, method_name, args)``. Checked on the released sources
+(0.10.0-0.33.0), not on a version list.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from harness import realsrc
+from vllm_mmcache_fix import vllm_layout as layout
+
+VERSIONS = realsrc.VERSIONS
+CORE = layout.ENGINE_PROC_CLASS.module.replace(".", "/") + ".py"
+
+
+def _classes(version: str) -> dict[str, ast.ClassDef]:
+    tree = realsrc.parse_release_file(version, CORE)
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def _calls_self(func: ast.FunctionDef, name: str) -> bool:
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == name
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_busy_loop_methods_are_on_engine_core_proc(version: str) -> None:
+    classes = _classes(version)
+    proc = classes[layout.ENGINE_PROC_CLASS.cls]
+    assert layout.ENGINE_CORE_CLASS.cls in classes, version
+    for method in (layout.BUSY_LOOP_INPUT, layout.BUSY_LOOP_STEP, layout.BUSY_LOOP_DISPATCH):
+        assert realsrc.class_method(proc, method) is not None, (version, method)
+    # Every busy loop (EngineCoreProc's and the DP subclass's) adopts through the same call.
+    loops = [
+        loop
+        for cls in classes.values()
+        if (loop := realsrc.class_method(cls, "run_busy_loop")) is not None
+    ]
+    assert len(loops) >= 2, version
+    for loop in loops:
+        assert _calls_self(loop, layout.BUSY_LOOP_INPUT), version
+        assert _calls_self(loop, layout.BUSY_LOOP_STEP), version
+    # Nobody else defines the input step: a subclass would bypass the adoption.
+    defining = [c for c in classes.values() if realsrc.class_method(c, layout.BUSY_LOOP_INPUT)]
+    assert [c.name for c in defining] == [layout.ENGINE_PROC_CLASS.cls], version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_input_thread_hands_every_request_over_with_put_nowait(version: str) -> None:
+    proc = _classes(version)[layout.ENGINE_PROC_CLASS.cls]
+    reader = realsrc.class_method(proc, "process_input_sockets")
+    assert reader is not None, version
+    handed = [
+        node
+        for node in ast.walk(reader)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "put_nowait"
+        and isinstance(node.func.value, ast.Attribute)
+        and node.func.value.attr == layout.ENGINE_INPUT_QUEUE
+    ]
+    assert len(handed) == 1, version
+    init = realsrc.class_method(proc, "__init__")
+    assert init is not None
+    assigned = {
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+    }
+    assert layout.ENGINE_INPUT_QUEUE in assigned, version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_utility_request_names_its_method_third(version: str) -> None:
+    proc = _classes(version)[layout.ENGINE_PROC_CLASS.cls]
+    dispatch = realsrc.class_method(proc, layout.BUSY_LOOP_DISPATCH)
+    assert dispatch is not None
+    unpacks = [
+        [elt.id for elt in node.targets[0].elts if isinstance(elt, ast.Name)]
+        for node in ast.walk(dispatch)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Tuple)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "request"
+        and len(node.targets[0].elts) == 4
+    ]
+    assert unpacks, version
+    assert unpacks[0][layout.UTILITY_METHOD_INDEX] == "method_name", (version, unpacks)
+    text = ast.unparse(dispatch)
+    assert f"{layout.REQUEST_TYPE_UTILITY}" in text and "getattr(self, method_name)" in text
+    for name in (layout.REQUEST_TYPE_ADD, layout.REQUEST_TYPE_ABORT):
+        assert f"EngineCoreRequestType.{name}" in text, (version, name)

@@ -1,0 +1,68 @@
+"""docs/health.md says what the committed runs and the code say.
+
+The runs in ``compat/health-load.json`` (``scripts/health-load``) must each meet the bars of
+the health check (every check of :func:`harness.health_load.checks` passes), the doc's table
+must be what they render, and the doc's metrics table must list exactly the metrics of
+``metrics/names.py`` with their labels.
+"""
+
+from __future__ import annotations
+
+import re
+
+from harness import health_load
+from harness.paths import REPO_ROOT
+from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, MIN_HEALTH_TIMEOUT
+from vllm_mmcache_fix.engine_liveness.heartbeat import PING_INTERVAL_S
+from vllm_mmcache_fix.metrics import names
+
+DOC = REPO_ROOT / "docs" / "health.md"
+
+
+def test_every_planned_run_is_committed_and_meets_its_bars() -> None:
+    data = health_load.load_results()
+    runs = data["runs"]
+    assert data["timeout_s"] == health_load.TIMEOUT_S
+    missing = [key for key in health_load.DEFAULT_PLAN if key not in runs]
+    assert not missing, f"run scripts/health-load for {missing}"
+    for key, run in runs.items():
+        failed = [name for name, ok in health_load.checks(run, runs).items() if not ok]
+        assert not failed, (key, failed)
+
+
+def test_the_doc_table_is_what_the_results_render() -> None:
+    block = health_load.doc_block(DOC.read_text())
+    assert block is not None, "docs/health.md has no health-load block"
+    assert block == health_load.render_block(health_load.load_results()), (
+        "run scripts/health-load --doc"
+    )
+
+
+def test_the_load_bar_is_the_issue_bar() -> None:
+    assert health_load.within_p99({"p99_ms": 16.0}, {"p99_ms": 10.0})
+    assert not health_load.within_p99({"p99_ms": 16.1}, {"p99_ms": 10.0})
+    assert health_load.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert health_load.percentile(list(map(float, range(1, 101))), 99) == 99.0
+
+
+def test_the_doc_metrics_table_lists_every_metric_with_its_labels() -> None:
+    text = DOC.read_text()
+    table = text[
+        text.index("<!-- metrics-table:begin -->") : text.index("<!-- metrics-table:end -->")
+    ]
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `(mmcache_fix_[a-z_]+)` \| (\w+)[^|]*\| ([^|]*)\|", line)
+        if match:
+            rows[match.group(1)] = (match.group(2), re.findall(r"`([a-z_]+)`", match.group(3)))
+    assert set(rows) == {spec.name for spec in names.METRICS}
+    for spec in names.METRICS:
+        kind, labels = rows[spec.name]
+        assert kind == spec.kind, spec.name
+        assert [label for label in labels if label in spec.labels] == list(spec.labels), spec.name
+
+
+def test_the_doc_states_the_defaults_the_code_has() -> None:
+    text = DOC.read_text()
+    assert f"default `{DEFAULT_HEALTH_TIMEOUT:g}`, at least `{MIN_HEALTH_TIMEOUT:g}`" in text
+    assert f"every {PING_INTERVAL_S:g} s" in text
