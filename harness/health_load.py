@@ -7,10 +7,11 @@ with faults made on purpose by :mod:`harness.inject`:
 
 - ``serve``: one server per variant (``plugin``, ``noplugin``; ``-fork`` with EngineCore
   forked from the API server) runs, in order, the phases ``load`` (every EngineCore step made
-  2.5 s long, 4 clients sending chat requests, ``/health`` polled every second with a 1 s
-  client timeout for 60 s), ``utility`` (one utility call made 3x the timeout long),
-  ``stuck_step`` (a busy loop stuck inside one step until released) and ``burn`` (15 s of
-  pure-Python work in the API server's request path: the stall sentinel must call it busy);
+  2.5 s long, 4 clients sending chat requests, 8 probes each polling ``/health`` every
+  second with a 1 s client timeout for 60 s), ``utility`` (one utility call made 3x the
+  timeout long), ``stuck_step`` (a busy loop stuck inside one step until released) and
+  ``burn`` (15 s of pure-Python work in the API server's request path: the stall sentinel
+  must call it busy);
 - ``incident``: the multimodal cache incident replayed with the eviction fix off
   (``MMCACHE_FIX_MODE=warn``): on 0.23.0 EngineCore's input thread spins in ``popitem``; on
   0.11-0.13 the ``Expected a cached item`` assertion ends it;
@@ -47,6 +48,7 @@ from harness import incident, inject, procs, tiny_models
 from harness.health import parse_metrics
 from harness.http import free_port, http_get, http_post
 from harness.lock import ServerLock
+from harness.matrix import plugin_commit
 from harness.paths import REPO_ROOT
 from harness.paths import log_path as new_log_path
 from harness.payloads import chat_payload, make_png
@@ -72,6 +74,9 @@ UTILITY_SLEEP_S = 3 * TIMEOUT_S
 LOAD_S = 60.0
 LOAD_CLIENTS = 4
 POLL_INTERVAL_S = 1.0
+PROBES = 8
+"""Independent probes during the load, each polling every second (staggered): 480 polls a
+minute, so that p99 is not the single slowest poll of a shared machine."""
 POLL_TIMEOUT_S = 1.0
 BURN_S = 15.0
 P99_RATIO = 1.1
@@ -184,10 +189,15 @@ def phase_load(url: str, seconds: float = LOAD_S, clients: int = LOAD_CLIENTS) -
             statuses.append(chat(url, 1000 * k + i, max_tokens=4))
             i += 1
 
-    with ThreadPoolExecutor(clients) as pool, Poller(url, timeout=POLL_TIMEOUT_S) as poller:
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(clients))
+        pollers = []
+        for _ in range(PROBES):
+            time.sleep(POLL_INTERVAL_S / PROBES)  # staggered over the second
+            pollers.append(stack.enter_context(Poller(url, timeout=POLL_TIMEOUT_S)))
         futures = [pool.submit(client, k) for k in range(clients)]
         time.sleep(max(0.0, deadline - time.monotonic()))
-        polls = list(poller.polls)
+        polls = [p for poller in pollers for p in poller.polls if p.at <= deadline]
         for future in futures:
             future.result(timeout=300)
     ms = [p.ms if p.status is not None else POLL_TIMEOUT_S * 1000 for p in polls]
@@ -347,6 +357,7 @@ class Run:
     log_scan: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     finished_at: str = ""
+    plugin_commit: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -567,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in todo:
             with ServerLock().hold(purpose=f"health-load {key}") as lock:
                 run = execute(key, wheel, lock)
+            run.plugin_commit = plugin_commit()
             data["runs"][key] = run.to_dict()
             save_results(data, args.out)
             print(f"[health-load] {key}: {'ERROR ' + run.error if run.error else 'done'}")

@@ -208,6 +208,9 @@ CLIENT_INDEX = "client_index"
 """``AsyncMPClient.client_index``: which API server this is (0 with one API server)."""
 CLIENT_ENGINE_PARAM = "engine"
 """The keyword of ``_call_utility_async`` that picks one engine (0.10.2-0.32.0)."""
+UTILITY_SHUTDOWN_REPLY = "Server shutting down"
+"""The failure reply of a utility call EngineCore rejects while it shuts down gracefully
+(0.18.0+, ``_reject_utility_in_shutdown``): the heartbeat stops quietly on it."""
 CLIENT_RESOURCES = ("resources", "engine_dead")
 """``MPClient.resources.engine_dead``: True once vLLM saw EngineCore die (0.10.2-0.32.0)."""
 

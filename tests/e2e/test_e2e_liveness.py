@@ -5,9 +5,9 @@ with EngineCore **forked** from the API server (the CPU platform's forced spawn 
 the test-only ``harness.inject``, as GPU and Ascend images run) and every engine step made
 2.5 s long. Each runs, in order (``harness.health_load``):
 
-- *load*: 4 clients send chat requests for 60 s while ``/health`` is polled every second
-  with a 1 s client timeout: no failure with the plugin, p99 within 1.1x plus 5 ms of vLLM
-  alone;
+- *load*: 4 clients send chat requests for 60 s while 8 probes poll ``/health`` every
+  second each with a 1 s client timeout: no failure with the plugin, p99 within 1.1x plus
+  5 ms of vLLM alone;
 - *utility*: one utility call made 3x the timeout long: ``/health`` 200 throughout;
 - *stuck step*: the busy loop stuck inside one step: 503 within the timeout plus 5 s with
   the plugin (one WARNING, the failed-check counter), 200 again once the step returns, and
@@ -68,7 +68,7 @@ def test_health_under_long_steps_never_fails_and_costs_nothing(
 ) -> None:
     with_plugin = _run(runs, "plugin-fork")["phases"]["load"]
     without = _run(runs, "noplugin-fork")["phases"]["load"]
-    assert with_plugin["polls"] >= 55 and without["polls"] >= 55, (with_plugin, without)
+    assert with_plugin["polls"] >= 400 and without["polls"] >= 400, (with_plugin, without)
     assert with_plugin["failures"] == 0, with_plugin
     assert with_plugin["requests_ok"] >= health_load.LOAD_CLIENTS, with_plugin
     assert health_load.within_p99(with_plugin["latency"], without["latency"]), (

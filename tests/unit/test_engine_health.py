@@ -272,6 +272,22 @@ def test_a_client_without_engine_param_is_off_before_any_ping(
     assert len(records(caplog, ENGINE_CHECK_OFF)) == 1
 
 
+def test_a_graceful_shutdown_stops_the_heartbeat_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> Heartbeat:
+        client = Client(answer=Exception("Server shutting down"))
+        beat = Heartbeat(client, TIMEOUT)
+        beat.tick(client, 0.0, responsive=True)
+        await settle()
+        return beat
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat = run(go())
+    assert beat.stopped == "EngineCore is shutting down" and beat.verdict() == []
+    assert records(caplog, ENGINE_CHECK_OFF) == []
+
+
 def test_a_dead_engine_stops_the_heartbeat_and_leaves_health_to_vllm() -> None:
     async def go() -> Heartbeat:
         client = Client()

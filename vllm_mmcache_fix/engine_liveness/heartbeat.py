@@ -46,6 +46,7 @@ from ..vllm_layout import (
     CLIENT_INDEX,
     CLIENT_RESOURCES,
     ENGINE_PING_METHOD,
+    UTILITY_SHUTDOWN_REPLY,
 )
 from .busy_loop import STUCK_STATES
 
@@ -323,6 +324,9 @@ class Heartbeat:
             return  # the engine died or is shutting down: vLLM's own check says so
         if any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__):
             self.stop("EngineCore is dead (vLLM's own check reports it)")
+            return
+        if str(exc) == UTILITY_SHUTDOWN_REPLY:
+            self.stop("EngineCore is shutting down")
             return
         self.turn_off(beat, f"its ping failed: {type(exc).__name__}: {exc}")
 
