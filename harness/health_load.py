@@ -96,6 +96,7 @@ DEFAULT_PLAN: tuple[str, ...] = (
     "0.13.0 incident plugin-warn",
     "0.13.0 incident noplugin",
     "0.32.0 topology plugin-api2",
+    "0.32.0 topology plugin-dp2",
 )
 """``"<vLLM> <case> <variant>"``: every run the committed results hold."""
 
@@ -477,15 +478,24 @@ def run_incident_case(venv: Path, variant: str, *, lock: ServerLock) -> Run:
     return run
 
 
+TOPOLOGIES: dict[str, tuple[list[str], int]] = {
+    "plugin-api2": (["--api-server-count", "2"], 1),
+    "plugin-dp2": (["--data-parallel-size", "2"], 2),
+}
+"""Variant: (server arguments, engines)."""
+
+
 def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
-    """Two API servers, no ``/health``: EngineCore's counters reach ``/metrics`` anyway."""
+    """Two API servers, or two DP engines; no ``/health`` until EngineCore's counters reached
+    ``/metrics`` (they come with the heartbeat); then ``/health`` answers 200."""
     version = venv_vllm_version(venv)
     run = Run(f"{version} topology {variant}", version, "topology", variant)
     log = new_log_path(f"health-topology-{version}-{variant}")
     run.log = str(log)
     env = _server_env(venv, True, {ENV_HEALTH_TIMEOUT: f"{TIMEOUT_S:g}"})
     model = tiny_models.ensure_model(venv)
-    server = Server(venv, model, log, env=env, lock=lock, extra_args=["--api-server-count", "2"])
+    args, engines = TOPOLOGIES[variant]
+    server = Server(venv, model, log, env=env, lock=lock, extra_args=args)
     try:
         server.start()
         assert server.proc is not None
@@ -495,15 +505,18 @@ def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
         seen = None
         while time.monotonic() - started < 600 and server.proc.poll() is None:
             got = metrics(server.base_url)
-            if got.get(series) == 1:
+            if got.get(series) == engines:
                 seen = got
                 break
             time.sleep(1.0)
         run.started = seen is not None
         run.startup_s = round(time.monotonic() - started, 1)
         healths = [http_get(server.base_url + "/health", 5)[0] for _ in range(20)]
+        ages = {k: v for k, v in (seen or {}).items() if k.startswith(names.ENGINE_LAST_ANSWER_AGE)}
         run.phases["topology"] = {
+            "engines": engines,
             "engine_series_without_health": seen is not None,
+            "ages": ages,
             "metrics": {k: v for k, v in (seen or {}).items() if "_bucket" not in k},
             "healths": sorted({str(s) for s in healths}),
         }
@@ -663,6 +676,9 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
     elif run.get("case") == "topology":
         topo = phases.get("topology", {})
         out["engine_series_without_health"] = bool(topo.get("engine_series_without_health"))
+        out["every_engine_answers"] = len(topo.get("ages", {})) == topo.get("engines") and all(
+            age < 10 for age in topo.get("ages", {}).values()
+        )
         out["health_200"] = topo.get("healths") == ["200"]
     return out
 
