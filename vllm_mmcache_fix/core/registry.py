@@ -150,9 +150,7 @@ def _forget(
             del instances[key]
 
 
-def _forgotten(
-    key: tuple[int, str], holder: list[_InstanceChange], forget: Any, _ref: Any
-) -> None:
+def _forgotten(key: tuple[int, str], holder: list[_InstanceChange], forget: Any, _ref: Any) -> None:
     forget(key, holder[0])
 
 
