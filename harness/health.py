@@ -4,8 +4,10 @@ Starts one vLLM CPU server (tiny Qwen2-VL, dummy weights) with the plugin loaded
 one with it kept out (``VLLM_PLUGINS``), in the same run, and for each measures the
 ``/health`` latency seen by a client: idle (one call after another), then while
 ``--concurrency`` clients send ``--burst`` chat requests, each with a new image. With
-the plugin, ``/health`` includes the round trip to EngineCore; the plugin's own
-histogram (``mmcache_fix_engine_round_trip_seconds``) is read from ``/metrics``.
+the plugin, ``/health`` reads the engine heartbeat's state (it never waits on EngineCore);
+the heartbeat's own round trips (``mmcache_fix_engine_round_trip_seconds``) are read from
+``/metrics``. ``scripts/health-load`` (:mod:`harness.health_load`) has the cases the
+health check is held to (long steps, slow utility calls, stuck engines).
 
 Usage::
 
