@@ -66,3 +66,38 @@ def test_the_doc_states_the_defaults_the_code_has() -> None:
     text = DOC.read_text()
     assert f"default `{DEFAULT_HEALTH_TIMEOUT:g}`, at least `{MIN_HEALTH_TIMEOUT:g}`" in text
     assert f"every {PING_INTERVAL_S:g} s" in text
+
+
+def test_the_checks_catch_a_run_that_misses_a_bar() -> None:
+    stats = {"n": 480, "p50_ms": 3.0, "p95_ms": 8.0, "p99_ms": 12.0, "max_ms": 40.0}
+    base = {
+        "key": "0.32.0 serve noplugin",
+        "case": "serve",
+        "variant": "noplugin",
+        "started": True,
+        "error": "",
+        "start_method": "spawn",
+        "phases": {"load": {"failures": 0, "requests_ok": 8, "polls": 480, "latency": stats}},
+        "log_scan": {},
+    }
+    good_load = {"failures": 0, "requests_ok": 8, "polls": 480, "latency": dict(stats)}
+    plugin = {
+        **base,
+        "key": "0.32.0 serve plugin",
+        "variant": "plugin",
+        "phases": {
+            "load": good_load,
+            "stuck_step": {"detected_s": 7.0, "recovered_s": 4.0, "metrics_while_stuck": {}},
+        },
+        "log_scan": {"loop_stuck": 1, "invocation_failed": 0, "check_off": 0},
+    }
+    runs = {base["key"]: base, plugin["key"]: plugin}
+    got = health_load.checks(plugin, runs)
+    assert got["load_no_failure"] and got["load_p99"] and got["stuck_503_in_time"]
+    assert not got["stuck_metric"]  # no failed-check counter while stuck
+    slow = {**good_load, "failures": 1, "latency": {**stats, "p99_ms": 19.0}}
+    late = {"detected_s": 10.5, "recovered_s": None, "metrics_while_stuck": {}}
+    plugin["phases"] = {"load": slow, "stuck_step": late}
+    got = health_load.checks(plugin, runs)
+    assert not any(got[k] for k in ("load_no_failure", "load_p99", "stuck_503_in_time"))
+    assert not got["stuck_recovers"]
