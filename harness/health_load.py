@@ -588,9 +588,10 @@ def main(argv: list[str] | None = None) -> int:
             from harness.venvs import build_wheel
 
             wheel = build_wheel(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        # One hold for the whole plan: the venvs change (plugin installed) only under it.
+        lock = stack.enter_context(ServerLock().hold(purpose=f"health-load ({len(todo)} runs)"))
         for key in todo:
-            with ServerLock().hold(purpose=f"health-load {key}") as lock:
-                run = execute(key, wheel, lock)
+            run = execute(key, wheel, lock)
             run.plugin_commit = plugin_commit()
             data["runs"][key] = run.to_dict()
             save_results(data, args.out)
