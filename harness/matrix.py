@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,6 +40,7 @@ from typing import Any
 
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
+from harness.rotation import rotate
 from harness.venvs import DEFAULT_VERSIONS as SHARED_VENVS
 
 MATRIX_FILE = REPO_ROOT / "compat" / "matrix.json"
@@ -488,18 +488,7 @@ def rotating(n: int, commit: str, data: dict | None = None) -> list[str]:
     pool = [
         v for v in RELEASES if v not in SHARED_VENVS and rows.get(v, {}).get("status") == "pass"
     ]
-    if not pool:
-        return []
-    seed = int(hashlib.sha256(commit.encode()).hexdigest(), 16)
-    chosen: list[str] = []
-    while len(chosen) < min(n, len(pool)):
-        pick = pool[seed % len(pool)]
-        seed //= len(pool)
-        if pick not in chosen:
-            chosen.append(pick)
-        else:
-            seed += 1
-    return chosen
+    return rotate(pool, n, commit)
 
 
 def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = False) -> bool:
