@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from harness import payloads, runner, soak, tiny_models
 from harness.http import Reply, http_post
@@ -108,7 +108,7 @@ def video_helper(model: str = tiny_models.DEFAULT) -> Callable[[int], dict[str, 
     supports = getattr(tiny_models, "supports_video", None)
     if not callable(part) or not callable(supports) or not supports(model):
         return None
-    return lambda index: part("video", index)  # type: ignore[no-any-return]
+    return lambda index: cast("dict[str, object]", part("video", index))
 
 
 def plan_requests(

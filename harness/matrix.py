@@ -255,7 +255,9 @@ def concurrent_record(
         data = res.to_dict()
     except Exception as exc:  # noqa: BLE001 - recorded
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    keep = {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    keep: dict[str, Any] = {
+        k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))
+    }
     keep["load_failures"] = list(data.get("load_failures") or [])[:5]
     return keep
 
@@ -530,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, default=MATRIX_FILE)
     ap.add_argument("--readme", action="store_true", help="rewrite the README table and stop")
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the releases it would run")
     args = ap.parse_args(argv)
 
     data = load(args.file)
@@ -554,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             for v in ordered(list(args.releases or RELEASES))
             if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
         ]
+    if args.dry_run:
+        print(" ".join(todo))
+        return 0
     _log(f"plugin commit {commit[:12]}; releases to run: {' '.join(todo) or 'none'}")
     # Its own copy of the tiny model, built by this checkout's builder (the shared copy
     # may predate the text config's "architectures" that transformers 4.57 needs).

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import procs, tiny_models
-from harness.lock import ServerLock, default_timeout
+from harness.lock import ServerLock
 from harness.logscan import (
     PluginCounters,
     engine_cache_misses,
@@ -274,7 +274,7 @@ class Session:
             extra_args=list(spec.args),
             env=env,
             lock=lock,
-            lock_timeout=default_timeout() if lock_timeout is None else lock_timeout,
+            lock_timeout=lock_timeout,
         )
         self.started = False
         self.startup_s: float | None = None

@@ -17,6 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from harness import procs, runner
 from harness.venvs import build_wheel, complete_venv
@@ -115,8 +116,8 @@ def run(version: str, seconds: float) -> dict[str, object]:
                     raise RuntimeError(f"{label}: {session.error}; see {session.log_path}")
                 out[f"{label} log"] = str(session.log_path)
     for kind in ("API server", "EngineCore"):
-        on = out["sentinel on"].get(kind, {})  # type: ignore[union-attr]
-        off = out["sentinel off"].get(kind, {})  # type: ignore[union-attr]
+        on = cast("dict[str, dict[str, Any]]", out["sentinel on"]).get(kind, {})
+        off = cast("dict[str, dict[str, Any]]", out["sentinel off"]).get(kind, {})
         if on and off and off.get("process_cpu_ms"):
             out[f"{kind} idle CPU ratio on/off"] = round(
                 on["process_cpu_ms"] / off["process_cpu_ms"], 3
