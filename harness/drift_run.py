@@ -36,6 +36,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness import runner
 from harness.http import http_post
@@ -219,46 +220,28 @@ def run_mixed(
     *,
     requests: int = 200,
     seed: int = 7,
-    drift_mode: str | None = None,
     request_timeout: float = 30.0,
-    startup_timeout: float = 240.0,
-    log_path: Path | None = None,
     lock_timeout: float | None = None,
     lock: ServerLock | None = None,
-    plugin_path: Path | None = None,
-    plugin_off: bool = False,
-    extra_args: list[str] | None = None,
-    model: Path | None = None,
-    env: dict[str, str] | None = None,
-    disable_plugin: bool = False,
+    **server: Any,
 ) -> DriftRun:
-    """One mixed run on a new server (the options: :func:`mixed_spec`);
+    """One mixed run on a new server; ``server``: the options of :func:`mixed_spec`.
+
     ``lock_timeout``: seconds to wait for the server lock (None: as long as it takes);
     ``lock``: the server lock, when the caller holds it already."""
-    spec = mixed_spec(
-        venv,
-        drift_mode=drift_mode,
-        plugin_path=plugin_path,
-        plugin_off=plugin_off,
-        extra_args=extra_args,
-        model=model,
-        env=env,
-        disable_plugin=disable_plugin,
-        startup_timeout=startup_timeout,
-        log_path=log_path,
-    )
-    session = runner.Session(spec, lock=lock, lock_timeout=lock_timeout)
+    session = runner.Session(mixed_spec(venv, **server), lock=lock, lock_timeout=lock_timeout)
     runs: list[DriftRun] = []
     session.run(
         lambda s: runs.append(
             send_mixed(s, requests=requests, seed=seed, request_timeout=request_timeout)
         )
     )
+    drift_mode = server.get("drift_mode")
     run = runs[0] if runs else DriftRun(drift_mode=drift_mode, requests=requests, seed=seed)
     read_log(session, run)
-    if plugin_path is not None:
+    if server.get("plugin_path") is not None:
         run.plugin_installed = True
-    if plugin_off:
+    if server.get("plugin_off"):
         run.plugin_installed = False
     return run
 
