@@ -319,7 +319,7 @@ def run_release(
     drift_requests: int,
 ) -> dict[str, Any]:
     from harness import tiny_models
-    from harness.lock import ServerLock
+    from harness.runner import plugin_state
     from harness.venvs import make_venv, set_plugin, venv_dir
 
     rec: dict[str, Any] = {
@@ -356,8 +356,8 @@ def run_release(
         for tag, plugin in (("without_plugin", None), ("with_plugin", wheel)):
             phase: dict[str, Any] = {}
             rec[tag] = phase
-            with ServerLock().hold(purpose=f"release matrix {version} {tag}") as lock:
-                set_plugin(venv, plugin)
+            purpose = f"release matrix {version} {tag}"
+            with plugin_state(venv, plugin, purpose=purpose) as lock:
                 _log(f"{version} {tag}: incident replay")
                 phase["incident"] = incident_record(venv, model, lock, env)
                 if not quick and phase["incident"].get("started"):
