@@ -23,14 +23,24 @@ import pytest
 from harness.shared_servers import STALL_SECONDS, SharedServers, WatchedReplay, watched_replay
 from vllm_mmcache_fix.core.settings import ENV_MODE, ENV_STALL_SECONDS
 
+_made: list[SharedServers] = []
+
 
 @pytest.fixture(scope="session")
 def _shared_servers(plugin_wheel: Path) -> Iterator[SharedServers]:
     servers = SharedServers(plugin_wheel)
+    _made.append(servers)
     try:
         yield servers
     finally:
         servers.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Leaving the tier: its shared server stops (the next tiers take the lock themselves)."""
+    if nextitem is None or nextitem.path.parent != item.path.parent:
+        for servers in _made:
+            servers.close()
 
 
 @pytest.fixture
