@@ -53,3 +53,14 @@ def this_turn(pool: Sequence[str], env: str) -> list[str]:
     if wanted == ["all"]:
         return list(pool)
     return wanted or rotate(pool)
+
+
+ROTATE_ENV = "MMCACHE_FIX_ROTATE"
+
+
+def per_commit(pool: Sequence[T]) -> list[T]:
+    """One case of ``pool`` per commit (:func:`rotate`); every case with
+    ``MMCACHE_FIX_ROTATE=off``."""
+    if os.environ.get(ROTATE_ENV, "").strip().lower() in ("off", "0", "no"):
+        return list(pool)
+    return rotate(pool)

@@ -9,7 +9,9 @@ With the plugin nothing hangs, every new image is served and EngineCore does not
 The replays with the plugin run on each release's shared plugin server, those without it
 on the shared server that keeps the installed plugin out, with images those servers have
 not seen; 0.23.0's freeze is a server of its own (``frozen_without_plugin``). With every
-guarded site of the plugin failing, each replay gets a new server.
+guarded site of the plugin failing, the replay gets a new server. Cases marked "one per
+commit" rotate (:func:`harness.rotation.per_commit`; ``MMCACHE_FIX_ROTATE=off`` runs
+them all).
 
 Versions: ``MMCACHE_FIX_E2E_VERSIONS`` (spaces or commas), default
 :data:`harness.venvs.DEFAULT_VERSIONS`. A version without a complete venv
@@ -27,6 +29,7 @@ import pytest
 
 from harness import incident, runner
 from harness.readme import guide_blocks
+from harness.rotation import per_commit
 from harness.shared_servers import FREEZE_VERSION, SharedServers, WatchedReplay, diagnose
 from harness.venvs import complete_venv, e2e_versions
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX
@@ -36,8 +39,10 @@ VERSIONS = e2e_versions()
 
 # What step (b) and the new images do without the plugin, per version.
 UNPATCHED = {"0.23.0": "hang", "0.27.1": "error-then-ok", "0.32.0": "error-then-ok"}
-SERVING = [v for v in VERSIONS if UNPATCHED.get(v) != "hang"]
-"""Releases whose server keeps serving without the plugin: they share a server."""
+SERVING = per_commit([v for v in VERSIONS if UNPATCHED.get(v) != "hang"])
+"""A release whose server keeps serving without the plugin, one per commit (the release
+matrix has every release's replay without the plugin); it shares a server with the drift
+run without the plugin."""
 
 
 def _report(result: incident.RunResult) -> str:
@@ -123,7 +128,8 @@ def test_incident_with_plugin(version: str, shared_server: SharedServers) -> Non
     assert grep.returncode == 0 and len(grep.stdout.splitlines()) >= 2, grep
 
 
-FAULT_VERSIONS = [v for v in VERSIONS if v in ("0.23.0", "0.32.0")] or VERSIONS[:1]
+FAULT_VERSIONS = per_commit([v for v in VERSIONS if v in ("0.23.0", "0.32.0")] or VERSIONS[:1])
+"""0.23.0 (where the fix's failure would bring the freeze back) or 0.32.0, one per commit."""
 
 
 @pytest.mark.parametrize("version", FAULT_VERSIONS)
