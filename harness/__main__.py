@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "health-load": "harness.health_load",
     "sentinel-cost": "harness.sentinel_cost",
     "matrix": "harness.matrix",
+    "e2e-versions": "harness.venvs:print_e2e_versions",
 }
 
 
@@ -49,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     caller = os.environ.pop(CALLER_CWD_ENV, "")
     if caller:
         os.chdir(caller)
-    module = importlib.import_module(COMMANDS[name])
+    module_name, _, function = COMMANDS[name].partition(":")
+    module = importlib.import_module(module_name)
     sys.argv = [f"scripts/{name}", *rest]
-    return int(module.main(rest) or 0)
+    return int(getattr(module, function or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

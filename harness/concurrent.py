@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -60,17 +61,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from harness import payloads, soak, tiny_models
+from harness import payloads, runner, soak, tiny_models
 from harness.http import Reply, http_post
 from harness.lock import ServerLock
-from harness.logscan import engine_cache_misses, log_markers, plugin_counters
-from harness.paths import log_path as new_log_path
-from harness.server import Server
 from harness.venvs import (
     PLUGIN_DIST,
-    plugin_disabled_env,
     set_plugin,
     venv_dir,
     venv_dist_version,
@@ -111,7 +108,7 @@ def video_helper(model: str = tiny_models.DEFAULT) -> Callable[[int], dict[str, 
     supports = getattr(tiny_models, "supports_video", None)
     if not callable(part) or not callable(supports) or not supports(model):
         return None
-    return lambda index: part("video", index)  # type: ignore[no-any-return]
+    return lambda index: cast("dict[str, object]", part("video", index))
 
 
 def plan_requests(
@@ -270,6 +267,29 @@ def _drift_counters(result: ConcurrentResult) -> dict[str, int]:
 # ----------------------------------------------------------------------------- run
 
 
+def concurrent_spec(
+    venv: Path,
+    plan: list[Planned],
+    *,
+    plugin: bool,
+    model_name: str = tiny_models.DEFAULT,
+    startup_timeout: float = 300.0,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> runner.ServerSpec:
+    """The server of a concurrent run (the plugin kept out unless ``plugin``)."""
+    return runner.ServerSpec(
+        Path(venv),
+        model_name=model_name,
+        args=["--limit-mm-per-prompt", mm_limits(plan)],
+        env=dict(env or {}),
+        plugin=plugin,
+        name="concurrent",
+        log_path=log_path,
+        startup_timeout=startup_timeout,
+    )
+
+
 def run_concurrent(
     venv: Path,
     *,
@@ -303,21 +323,79 @@ def run_concurrent(
     that would otherwise decide the p99 of a short run. Their images are not in the plan.
     ``env``: more server environment (a release's :func:`harness.server.preload_env`).
     """
-    venv = Path(venv)
-    record = record or JsonLines(None)
-    model = tiny_models.ensure_model(venv, model_name)
-    version = venv_vllm_version(venv)
-    installed = venv_dist_version(venv, PLUGIN_DIST) is not None
-    if plugin and not installed:
+    plan = plan_requests(requests, seed, plan_name, video=video, model=model_name)
+    spec = concurrent_spec(
+        venv,
+        plan,
+        plugin=plugin,
+        model_name=model_name,
+        startup_timeout=startup_timeout,
+        log_path=log_path,
+        env=env,
+    )
+    if plugin and venv_dist_version(Path(venv), PLUGIN_DIST) is None:
         raise RuntimeError(f"the plugin is not installed in {venv} (use --plugin-wheel)")
+    session = runner.Session(spec, lock=lock, lock_timeout=lock_timeout)
+    record = record or JsonLines(None)
+    return drive(
+        session,
+        plan,
+        clients=clients,
+        seed=seed,
+        plan_name=plan_name,
+        request_timeout=request_timeout,
+        max_seconds=max_seconds,
+        cpu_seconds=cpu_seconds,
+        settle_seconds=settle_seconds,
+        stop_after_timeout=stop_after_timeout,
+        record=record,
+        key=key,
+        warmup=warmup,
+        progress=progress,
+        own_server=True,
+    )
+
+
+def drive(
+    session: runner.Session,
+    plan: list[Planned],
+    *,
+    clients: int = DEFAULT_CLIENTS,
+    seed: int = 7,
+    plan_name: str = "mixed",
+    request_timeout: float = 60.0,
+    max_seconds: float = 1800.0,
+    cpu_seconds: float = 3.0,
+    settle_seconds: float = 1.5,
+    stop_after_timeout: bool = True,
+    record: JsonLines | None = None,
+    key: str = "",
+    warmup: int | None = None,
+    progress: bool = False,
+    own_server: bool = False,
+    first_image: int = 0,
+) -> ConcurrentResult:
+    """``plan`` from ``clients`` threads against the session's server, measured.
+
+    ``own_server``: start the server first and stop it afterwards (else it runs
+    already and keeps running; its process table then covers its whole life).
+    ``first_image``: added to every image index (a shared server gets new images).
+    """
+    record = record or JsonLines(None)
+    model_name = session.spec.model_name
+    plugin = session.spec.plugin
     label = "plugin" if plugin else "noplugin"
-    key = key or f"{version}-{plan_name}-K{clients}-{label}"
+    key = key or f"{session.version}-{plan_name}-K{clients}-{label}"
+    if first_image:
+        plan = [
+            dataclasses.replace(p, images=tuple(first_image + i for i in p.images))
+            if p.kind != "video"
+            else p
+            for p in plan
+        ]
     result = ConcurrentResult(
-        vllm_version=version,
-        venv=str(venv),
-        plugin_installed=installed,
-        plugin_enabled=plugin,
-        requests=requests,
+        plugin_enabled=plugin and session.plugin_installed,
+        requests=len(plan),
         seed=seed,
         request_timeout_s=request_timeout,
         key=key,
@@ -327,43 +405,23 @@ def run_concurrent(
         clients=clients,
         max_seconds=max_seconds,
     )
-    if log_path is None:
-        log_path = new_log_path(f"concurrent-{version}-{plan_name}-K{clients}-{label}")
-    result.log_path = str(log_path)
-    plan = plan_requests(requests, seed, plan_name, video=video, model=model_name)
+    session.record(result)
     result.n2_requests = sum(1 for p in plan if p.n > 1)
     result.video_requests = sum(1 for p in plan if p.kind == "video")
-    env = {**(env or {}), **({} if plugin else plugin_disabled_env(venv))}
-    server = Server(
-        venv,
-        model,
-        log_path,
-        extra_args=["--limit-mm-per-prompt", mm_limits(plan)],
-        env=env or None,
-        lock_timeout=lock_timeout,
-        lock=lock,
+    record.write(
+        {"type": "run_start", "key": key, "log": str(session.log_path), "time": time.time()}
     )
-    record.write({"type": "run_start", "key": key, "log": str(log_path), "time": time.time()})
     by_kind: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in KINDS}
     latencies: list[float] = []
-    table: soak.ProcessTable | None = None
-    stop_offset: int | None = None
-    t_start = time.monotonic()
-    try:
-        server.start()
-        assert server.proc is not None
-        result.server_pid = server.proc.pid
-        result.startup_s = round(server.wait_ready(startup_timeout), 1)
-        result.started = True
-        table = soak.ProcessTable(server.proc.pid, log_path)
-        table.refresh()
-        result.engine_pid = soak._engine_pid(table)
-        url = server.base_url + "/v1/chat/completions"
-        words, _ = payloads.choose_word_count(server.base_url, request_timeout)
+
+    def work(s: runner.Session) -> None:
+        table = s.table
+        assert table is not None
+        words, _ = payloads.choose_word_count(s.base_url, request_timeout)
         result.long_prompt_words = words
         long_text = payloads.words_text(words, model_name)
         result.warmup_requests = _warm_up(
-            url, 2 * clients if warmup is None else warmup, clients, request_timeout
+            s.chat_url, 2 * clients if warmup is None else warmup, clients, request_timeout
         )
         table.sample_ready()
         ends = soak.quarter_ends(len(plan))
@@ -379,7 +437,7 @@ def run_concurrent(
                 result.sent += 1
                 latencies.append(res.latency_s)
                 by_kind[item.kind][status] += 1
-                soak._count(result, item.index, item.kind, list(item.images), res)
+                result.count(item.index, item.kind, list(item.images), res)
                 if res.status == 200:
                     result.ok_200 += 1
                 if item.kind == "long" and res.status == 400:
@@ -389,7 +447,6 @@ def run_concurrent(
                 quarter = state["quarter"]
                 if quarter < len(ends) and state["done"] >= ends[quarter]:
                     state["quarter"] += 1
-                    assert table is not None
                     table.sample_quarter(quarter)
                     if progress:
                         print(
@@ -425,7 +482,7 @@ def run_concurrent(
                     state["next"] += 1
                 body = build_payload(item, payloads.SHORT_TEXT, long_text, model_name)
                 started_at = time.monotonic()
-                res = http_post(url, body, request_timeout)
+                res = http_post(s.chat_url, body, request_timeout)
                 finished(item, res, started_at)
 
         threads = [
@@ -439,29 +496,20 @@ def run_concurrent(
         result.throughput_rps = round(result.sent / max(result.load_seconds, 1e-6), 3)
         if state["quarter"] < len(ends):  # stopped early: the last sample is the end
             table.sample_quarter(len(ends) - 1)
-        time.sleep(settle_seconds)
-        result.engine_after = soak.sample_cpu_after(table, result.engine_pid, cpu_seconds)
-    except Exception as exc:  # noqa: BLE001 - reported in the result
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        with contextlib.suppress(OSError):
-            stop_offset = log_path.stat().st_size
-        server.stop()
-    result.seconds = round(time.monotonic() - t_start, 1)
-    if table is not None:
-        result.processes = table.rows()
-    result.by_kind = {k: dict(v) for k, v in by_kind.items() if v}
-    totals: collections.Counter[str] = collections.Counter()
-    for counter in by_kind.values():
-        totals.update(counter)
-    result.status_counts = dict(totals)
+        s.cpu_after(cpu_seconds, settle=settle_seconds)
+
+    if own_server:
+        session.run(work)
+    else:
+        try:
+            work(session)
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            result.error = f"{type(exc).__name__}: {exc}"
+    result.finish(session, by_kind)
     result.latency_p50_s = soak.percentile(latencies, 50)
     result.latency_p95_s = soak.percentile(latencies, 95)
     result.latency_p99_s = soak.percentile(latencies, 99)
     result.latency_max_s = max(latencies, default=None)
-    result.plugin = plugin_counters(log_path)
-    result.log_markers = log_markers(log_path, stop_offset)
-    result.engine_cache_misses = engine_cache_misses(log_path, stop_offset)
     result.drift_counters = _drift_counters(result)
     record.write({"type": "run_end", "key": key, "result": result.to_dict()})
     return result

@@ -77,6 +77,7 @@ def deliver(hashes: list[str], mm_kwargs) -> str:
 def accept(hashes: list[str]) -> str:
     mm_kwargs = process(hashes)
     for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
+        assert record.journal is not None
         record.journal.shadow.commit(record.journal)
     return deliver(hashes, mm_kwargs)
 
@@ -84,6 +85,7 @@ def accept(hashes: list[str]) -> str:
 def reject(hashes: list[str]) -> None:
     mm_kwargs = process(hashes)
     for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
+        assert record.journal is not None
         records.rollback(record.journal, "test")
 
 

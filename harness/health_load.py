@@ -452,7 +452,7 @@ def run_incident_case(venv: Path, variant: str, *, lock: ServerLock) -> Run:
         )
     run.log = result.log_path
     run.started = result.started
-    run.startup_s = result.startup_s
+    run.startup_s = result.startup_s or 0.0
     run.error = result.error
     hung = next((s for s in result.steps if s.timed_out), None)
     sent = hung.sent_at if hung else None

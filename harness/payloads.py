@@ -28,9 +28,16 @@ SHORT_TEXT = "Describe the image."
 SHORT_VIDEO_TEXT = "Describe the video."
 VIDEO_FRAMES = 4  # two temporal patches of two frames each
 MODALITIES = ("image", "video")
-# Server arguments that let a request carry one image and one video (the JSON form is
-# read the same way by 0.23.0, 0.27.1 and 0.32.0; later arguments override earlier ones).
-VIDEO_LIMIT_ARGS = ["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1})]
+
+
+def mm_limits_args(images: int = 1, videos: int = 0) -> list[str]:
+    """``--limit-mm-per-prompt`` for so many images and videos per prompt (the JSON form is
+    read the same way by 0.23.0, 0.27.1 and 0.32.0; later arguments override earlier ones)."""
+    return ["--limit-mm-per-prompt", json.dumps({"image": images, "video": videos})]
+
+
+# Server arguments that let a request carry one image and one video.
+VIDEO_LIMIT_ARGS = mm_limits_args(1, 1)
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -39,14 +46,22 @@ def _png_chunk(kind: bytes, data: bytes) -> bytes:
 
 
 def make_png(index: int, side: int = IMAGE_SIDE) -> bytes:
-    """An RGB PNG (stdlib only) whose pixels differ for every index."""
+    """An RGB PNG (stdlib only) whose pixels differ for every index.
+
+    The pattern repeats after a few thousand indices; the first pixels of the last row
+    carry the index itself (eight bytes), so no two indices give the same image and a
+    server that has served other requests can always be sent items it has not seen.
+    """
     r0, g0, b0 = (index * 67) % 256, (index * 131 + 40) % 256, (index * 29 + 90) % 256
     period = 4 + index % 9
+    stamp = index.to_bytes(8, "big", signed=True) + bytes(1)
     rows = []
     for y in range(side):
         row = bytearray(b"\0")  # filter type 0
         for x in range(side):
-            if (x + y * (1 + index % 3)) % period == 0:
+            if y == side - 1 and x < 3:
+                row += stamp[3 * x : 3 * x + 3]
+            elif (x + y * (1 + index % 3)) % period == 0:
                 row += bytes((255 - r0, 255 - g0, 255 - b0))
             elif y < 8 and index % side <= x < index % side + 8:
                 row += bytes((index % 256, 0, 255))

@@ -17,12 +17,10 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
-from harness import procs, tiny_models
-from harness.lock import ServerLock
-from harness.paths import log_path as new_log_path
-from harness.server import Server
-from harness.venvs import build_wheel, complete_venv, set_plugin
+from harness import procs, runner
+from harness.venvs import build_wheel, complete_venv
 from vllm_mmcache_fix.core.settings import ENV_STALL_SECONDS
 from vllm_mmcache_fix.stall_sentinel.fix import NATIVE_THREAD_NAME
 
@@ -99,31 +97,27 @@ def sample_cost(threads: int = 16, samples: int = 300) -> dict[str, float]:
 
 def run(version: str, seconds: float) -> dict[str, object]:
     venv = complete_venv(version)
-    model = tiny_models.ensure_model(venv)
     out: dict[str, object] = {"vllm_version": version, "idle_seconds": seconds}
     out["per-sample cost, 17 Python threads"] = sample_cost(16)
-    lock = ServerLock()
-    lock.acquire(purpose="sentinel cost")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            set_plugin(venv, build_wheel(Path(tmp)))
-        for label, env in (("sentinel on", {}), ("sentinel off", {ENV_STALL_SECONDS: "0"})):
-            log = new_log_path(f"sentinel-cost-{version}-{label.replace(' ', '-')}")
-            server = Server(venv, model, log, env=env, lock=lock)
-            try:
-                server.start()
-                server.wait_ready(240)
-                time.sleep(5)  # let start-up work settle
-                assert server.proc is not None
-                out[label] = measure_idle(server.proc.pid, seconds)
-                out[f"{label} log"] = str(log)
-            finally:
-                server.stop()
-    finally:
-        lock.release()
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = build_wheel(Path(tmp))
+        with runner.plugin_state(venv, wheel, purpose="sentinel cost") as lock:
+            for label, env in (("sentinel on", {}), ("sentinel off", {ENV_STALL_SECONDS: "0"})):
+                name = f"sentinel-cost-{label.replace(' ', '-')}"
+                session = runner.Session(runner.ServerSpec(venv, env=env, name=name), lock=lock)
+
+                def idle(s: runner.Session, label: str = label) -> None:
+                    time.sleep(5)  # let start-up work settle
+                    assert s.pid is not None
+                    out[label] = measure_idle(s.pid, seconds)
+
+                session.run(idle)
+                if session.error:
+                    raise RuntimeError(f"{label}: {session.error}; see {session.log_path}")
+                out[f"{label} log"] = str(session.log_path)
     for kind in ("API server", "EngineCore"):
-        on = out["sentinel on"].get(kind, {})  # type: ignore[union-attr]
-        off = out["sentinel off"].get(kind, {})  # type: ignore[union-attr]
+        on = cast("dict[str, dict[str, Any]]", out["sentinel on"]).get(kind, {})
+        off = cast("dict[str, dict[str, Any]]", out["sentinel off"]).get(kind, {})
         if on and off and off.get("process_cpu_ms"):
             out[f"{kind} idle CPU ratio on/off"] = round(
                 on["process_cpu_ms"] / off["process_cpu_ms"], 3

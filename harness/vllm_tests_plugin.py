@@ -82,7 +82,7 @@ def _bind_lru_cache_to_the_fixed_class() -> None:
     for name in (base.__module__, "vllm.utils"):
         module = sys.modules.get(name)
         if module is not None and module.__dict__.get("LRUCache") is base:
-            module.LRUCache = fixed
+            setattr(module, "LRUCache", fixed)  # noqa: B010 - a module attribute vLLM set
             _substituted.append(f"{name}.LRUCache")
 
 

@@ -45,6 +45,16 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     item.add_marker(getattr(pytest.mark, tier))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The e2e tier runs grouped by server: the tests of one shared server back to back."""
+    from harness.shared_servers import server_order
+
+    places = [i for i, item in enumerate(items) if tier_of(item.path) == "e2e"]
+    ordered = sorted((items[i] for i in places), key=server_order)
+    for place, item in zip(places, ordered):
+        items[place] = item
+
+
 @pytest.fixture(autouse=True)
 def _revert_patches() -> Iterator[None]:
     """Whatever a test patched in this process is undone after it."""

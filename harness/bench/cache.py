@@ -33,7 +33,7 @@ def load_vllm_lru(release: str | None) -> tuple[type, str]:
         try:
             from vllm.utils.cache import LRUCache  # vLLM 0.11.1+
         except ImportError:
-            from vllm.utils import LRUCache  # type: ignore[no-redef]  # 0.11.0 and older
+            from vllm.utils import LRUCache  # 0.11.0 and older
         import vllm
 
         return LRUCache, f"installed vLLM {vllm.__version__}"
@@ -158,7 +158,7 @@ def plugin_cost(python: str) -> dict[str, float]:
             [python, "-c", code], capture_output=True, text=True, env=env, timeout=300
         )
         if out.returncode != 0:
-            return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
+            return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}  # type: ignore[dict-item]
         a, b = (float(x) for x in out.stdout.split()[-2:])
         imports.append(a)
         registers.append(b)

@@ -17,16 +17,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from harness import tiny_models
+from harness import runner
 from harness.http import http_post
 from harness.lock import ServerLock
-from harness.paths import logs_dir
 from harness.payloads import SHORT_TEXT, chat_payload, make_png
-from harness.server import Server
-from harness.venvs import build_wheel, make_venv, set_plugin
+from harness.venvs import build_wheel, make_venv
 
 
 def server_args(cache_gb: float, max_pixels: int) -> list[str]:
@@ -55,29 +52,30 @@ def run_workload(
     max_pixels: int,
     lock: ServerLock | None = None,
 ) -> dict[str, object]:
-    model = tiny_models.ensure_model(venv)
-    log = logs_dir() / f"bench-value-{cache_gb:g}-{time.strftime('%H%M%S')}.log"
-    server = Server(venv, model, log, extra_args=server_args(cache_gb, max_pixels), lock=lock)
+    spec = runner.ServerSpec(
+        venv, args=server_args(cache_gb, max_pixels), name=f"bench-value-{cache_gb:g}"
+    )
+    session = runner.Session(spec, lock=lock)
     latencies: list[float] = []
-    failures = 0
-    try:
-        server.start()
-        server.wait_ready(240.0)
-        url = server.base_url + "/v1/chat/completions"
+    failures = [0]
+
+    def work(s: runner.Session) -> None:
         for i in range(warmup + requests):
             png = images[i % len(images)]
-            res = http_post(url, chat_payload(SHORT_TEXT, png), timeout)
+            res = http_post(s.chat_url, chat_payload(SHORT_TEXT, png), timeout)
             if not res.ok:
-                failures += 1
+                failures[0] += 1
             if i >= warmup:
                 latencies.append(res.latency_s)
-    finally:
-        server.stop()
+
+    session.run(work)
+    if session.error or not latencies:
+        raise RuntimeError(f"cache {cache_gb:g} GiB: {session.error}; see {session.log_path}")
     total = sum(latencies)
     return {
         "cache_gb": cache_gb,
         "requests": len(latencies),
-        "failures": failures,
+        "failures": failures[0],
         "mean_s": statistics.fmean(latencies),
         "p50_s": statistics.median(latencies),
         "p95_s": sorted(latencies)[int(0.95 * (len(latencies) - 1))],
@@ -111,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     common = (images, args.requests, args.images, args.timeout, args.max_pixels)
-    with ServerLock().hold(purpose="cache value benchmark") as lock:
-        with tempfile.TemporaryDirectory() as tmp:
-            set_plugin(venv, build_wheel(Path(tmp)))
-        off = run_workload(venv, 0.0, *common, lock=lock)
-        on = run_workload(venv, args.cache_gb, *common, lock=lock)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = build_wheel(Path(tmp))
+        with runner.plugin_state(venv, wheel, purpose="cache value benchmark") as lock:
+            off = run_workload(venv, 0.0, *common, lock=lock)
+            on = run_workload(venv, args.cache_gb, *common, lock=lock)
     print(f"{'':<34}{'mean':>9}{'p50':>9}{'p95':>9}{'req/s':>9}{'failed':>8}")
     for label, row in (
         ("--mm-processor-cache-gb 0", off),
@@ -131,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cache on / workaround: mean latency x{latency_ratio:.2f}, throughput x{speedup:.2f} "
         "(what --mm-processor-cache-gb 0 gives up)"
     )
-    if args.json:
-        args.json.write_text(json.dumps({"off": off, "on": on}, indent=2) + "\n")
+    runner.write_json(args.json, {"off": off, "on": on})
     return 0 if not off["failures"] and not on["failures"] else 1
 
 

@@ -124,7 +124,7 @@ def _run(layer: dict[str, Any], plan: list[list[str]], patched: bool) -> float:
         process_inputs = processor.wrap_process_inputs(_stub_process_inputs)
     stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
     make_item = layer["item"]
-    items = {}
+    items: dict[Any, Any] = {}
     t0 = time.perf_counter()
     for i, hashes in enumerate(plan):
         cached = sender.is_cached(hashes)

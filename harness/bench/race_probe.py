@@ -82,7 +82,8 @@ def locked_class(cls: type) -> type:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         self._mmfix_lock = threading.RLock()
-        cls.__init__(self, *args, **kwargs)
+        base_init: Callable[..., None] = getattr(cls, "__init__")  # noqa: B009 - the class's own
+        base_init(self, *args, **kwargs)
 
     namespace["__init__"] = __init__
     return type("Locked" + cls.__name__, (cls,), namespace)

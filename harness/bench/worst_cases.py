@@ -30,7 +30,7 @@ from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 SIZES = (1_000, 3_000, 10_000, 30_000, 100_000)
 
 
-class CountingOrder(OrderedDict):  # type: ignore[type-arg]
+class CountingOrder(OrderedDict[Any, Any]):
     """An ``OrderedDict`` that counts entries iterated over, looked up, written, removed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ Qwen2.5-VL processor. One 112 x 112 image is 16 tokens; a video of 4 such frames
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from harness.paths import cache_root
 from harness.tiny_models import qwen2_vl as base
@@ -31,7 +32,7 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     cfg = base.model_config(ids)
     cfg["architectures"] = [ARCHITECTURE]
     cfg["model_type"] = "qwen2_5_vl"
-    text = dict(cfg["text_config"])  # type: ignore[arg-type]
+    text = dict(cast("dict[str, object]", cfg["text_config"]))
     text["model_type"] = "qwen2_5_vl_text"
     cfg["text_config"] = text
     cfg["vision_config"] = {

@@ -1,7 +1,8 @@
 """Real servers under concurrent clients: with the plugin, no client sees a 5xx or a timeout.
 
-For each vLLM version of :func:`harness.venvs.e2e_versions` (default 0.23.0 0.27.1
-0.32.0), a shortened ``scripts/concurrent`` run (harness/concurrent.py) with the plugin:
+For each vLLM version of :func:`harness.venvs.e2e_versions`, a shortened
+``scripts/concurrent`` run (harness/concurrent.py) on the release's shared plugin server
+(with images it has not seen):
 ``CLIENTS`` concurrent clients (default 8) send ``REQUESTS`` requests (default 150) of
 the seeded mixed plan (new and reused images, long prompts rejected after placeholder
 expansion, two-image prompts, ``n=2`` requests) to a 1 MB multimodal processor cache.
@@ -14,34 +15,30 @@ A frozen server fails the test through the per-request timeout, it does not hang
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from harness import concurrent, soak
-from harness.lock import ServerLock
-from harness.venvs import e2e_versions, set_plugin
+from harness.shared_servers import SharedServers
+from harness.venvs import e2e_versions
 
 VERSIONS = e2e_versions()
 CLIENTS = int(os.environ.get("MMCACHE_FIX_CONCURRENT_CLIENTS", "8"))
 REQUESTS = int(os.environ.get("MMCACHE_FIX_CONCURRENT_REQUESTS", "150"))
 
 
+@pytest.mark.shared_server("plugin")
 @pytest.mark.parametrize("version", VERSIONS)
-def test_concurrent_clients_with_the_plugin(version: str, plugin_wheel: Path, vllm_venv) -> None:
-    venv = vllm_venv(version)
-    # The venv is changed only under the server lock: another holder may serve from it.
-    with ServerLock().hold(purpose="concurrent test") as lock:
-        set_plugin(venv, plugin_wheel)
-        result = concurrent.run_concurrent(
-            venv,
-            plugin=True,
-            requests=REQUESTS,
-            clients=CLIENTS,
-            request_timeout=60.0,
-            max_seconds=600.0,
-            lock=lock,
-        )
+def test_concurrent_clients_with_the_plugin(version: str, shared_server: SharedServers) -> None:
+    session = shared_server(version, "plugin")
+    result = concurrent.drive(
+        session,
+        concurrent.plan_requests(REQUESTS, 7),
+        clients=CLIENTS,
+        request_timeout=60.0,
+        max_seconds=600.0,
+        first_image=shared_server.new_items(),
+    )
     data = result.to_dict()
     print()
     print(concurrent.format_table([data]))

@@ -14,24 +14,23 @@ Selection (environment):
 
 * ``MMCACHE_FIX_MODELS``: model names (spaces or commas), default all of :data:`MODELS`;
 * ``MMCACHE_FIX_MODALITIES``: ``image``/``video``, default both;
-* ``MMCACHE_FIX_E2E_VERSIONS``: vLLM versions, default 0.23.0 0.27.1 0.32.0;
-* ``MMCACHE_FIX_FAMILY_MATRIX``: ``ci`` (default) runs each model x modality once with the
-  plugin on one version (:data:`CI_WITH_PLUGIN`) and Qwen3-VL's video replay without it on
-  the oldest version: five server starts. ``full`` runs every selected model x modality x
-  version, with and without the plugin.
+* ``MMCACHE_FIX_E2E_VERSIONS``: vLLM versions, default :data:`harness.venvs.DEFAULT_VERSIONS`;
+* ``MMCACHE_FIX_FAMILY_MATRIX``: ``ci`` (default) runs one case of :data:`CI_WITH_PLUGIN`
+  with the plugin, chosen by the commit (:func:`harness.rotation.rotate`; successive
+  commits walk the four): one server start. ``full`` runs every selected model x
+  modality x version, with and without the plugin (the README's family table).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness import incident, tiny_models
-from harness.lock import ServerLock
-from harness.venvs import e2e_versions, set_plugin
+from harness import incident, runner, tiny_models
+from harness.rotation import rotate
+from harness.venvs import complete_venv, e2e_versions
 
 MODELS = ["qwen2.5-vl", "qwen3-vl", "qwen2-vl"]
 # Qwen2-VL with images is tests/e2e/test_e2e_incident.py.
@@ -45,9 +44,6 @@ CI_WITH_PLUGIN = {
     ("qwen3-vl", "image"): "0.32.0",
     ("qwen3-vl", "video"): "0.23.0",
 }
-# Qwen2.5-VL with video is left to ``full``: on 0.23.0 without the plugin that server never
-# becomes healthy (see the skip below), three minutes of CI that show nothing new.
-CI_WITHOUT_PLUGIN = {("qwen3-vl", "video"): "0.23.0"}
 
 # Without the plugin, what steps b and c did in every run recorded: "hang" (b answers
 # 500, a later new item times out, EngineCore spins) or "error-then-ok" (b answers 500,
@@ -65,7 +61,7 @@ def _cases(with_plugin: bool) -> list[tuple[str, str, str]]:
     models = [m for m in _env_list("MMCACHE_FIX_MODELS", MODELS) if m in tiny_models.MODELS]
     modalities = _env_list("MMCACHE_FIX_MODALITIES", ["image", "video"])
     full = os.environ.get("MMCACHE_FIX_FAMILY_MATRIX", "ci") == "full"
-    chosen = CI_WITH_PLUGIN if with_plugin else CI_WITHOUT_PLUGIN
+    chosen = dict(rotate(sorted(CI_WITH_PLUGIN.items()))) if with_plugin else {}
     cases = []
     for model in models:
         for modality in modalities:
@@ -86,15 +82,19 @@ def _cases(with_plugin: bool) -> list[tuple[str, str, str]]:
     return sorted(cases)
 
 
-@pytest.fixture(scope="module")
-def server_lock() -> Iterator[ServerLock]:
-    """The server lock, held across this file's servers and plugin installs.
-
-    Taken once, so the cases run back to back and a venv's plugin is changed only
-    while no other server can be serving from it.
-    """
-    with ServerLock().hold(purpose="Qwen-VL family incident replays") as lock:
-        yield lock
+def _replay(
+    version: str, model: str, modality: str, wheel: Path, *, disable_plugin: bool
+) -> incident.RunResult:
+    venv = complete_venv(version)
+    with runner.plugin_state(venv, wheel, purpose="Qwen-VL family replay") as lock:
+        return incident.run_incident(
+            venv,
+            model_name=model,
+            modality=modality,
+            n_images=N_ITEMS,
+            disable_plugin=disable_plugin,
+            lock=lock,
+        )
 
 
 def _ids(cases: list[tuple[str, str, str]]) -> list[str]:
@@ -139,18 +139,9 @@ def _common(result: incident.RunResult) -> None:
 
 @pytest.mark.parametrize(("version", "model", "modality"), _cases(True), ids=_ids(_cases(True)))
 def test_family_incident_with_plugin(
-    version: str,
-    model: str,
-    modality: str,
-    plugin_wheel: Path,
-    vllm_venv,
-    server_lock: ServerLock,
+    version: str, model: str, modality: str, plugin_wheel: Path
 ) -> None:
-    venv = vllm_venv(version)
-    set_plugin(venv, plugin_wheel)
-    result = incident.run_incident(
-        venv, model_name=model, modality=modality, n_images=N_ITEMS, lock=server_lock
-    )
+    result = _replay(version, model, modality, plugin_wheel, disable_plugin=False)
     print(_report(result))
     print(_figures(result))
     _common(result)
@@ -169,17 +160,9 @@ def test_family_incident_with_plugin(
 
 @pytest.mark.parametrize(("version", "model", "modality"), _cases(False), ids=_ids(_cases(False)))
 def test_family_incident_without_plugin(
-    version: str, model: str, modality: str, vllm_venv, server_lock: ServerLock
+    version: str, model: str, modality: str, plugin_wheel: Path
 ) -> None:
-    venv = vllm_venv(version)
-    result = incident.run_incident(
-        venv,
-        model_name=model,
-        modality=modality,
-        n_images=N_ITEMS,
-        disable_plugin=True,
-        lock=server_lock,
-    )
+    result = _replay(version, model, modality, plugin_wheel, disable_plugin=True)
     print(_report(result))
     if not result.started and not result.plugin_lines:
         # Seen twice on 0.23.0 with Qwen2.5-VL and video allowed: without the plugin the

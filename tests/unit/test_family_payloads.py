@@ -27,6 +27,13 @@ def test_video_url_carries_distinct_png_frames() -> None:
     assert not {make_png(i) for i in range(50)} & set(frames)
 
 
+def test_images_differ_for_far_apart_indices() -> None:
+    """Shared servers get item indices far above the first replay's: never a cached twin."""
+    near = {make_png(i) for i in range(16)}
+    far = [make_png(i + step) for step in (16128, 1_000_000, 10**9) for i in range(16)]
+    assert len(set(far)) == len(far) and not near & set(far)
+
+
 def test_image_payload_unchanged_and_unknown_modality() -> None:
     part = media_payload("x", "image", 0)["messages"][0]["content"][0]  # type: ignore[index]
     assert part["image_url"]["url"] == (

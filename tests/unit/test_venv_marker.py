@@ -1,10 +1,13 @@
-"""A release's venv counts as made only with the Python the harness wants for it."""
+"""A release's venv counts as made only with the Python the harness wants for it; the
+plugin is installed into one only when it does not hold the same files already."""
 
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
+from harness import venvs
 from harness.venvs import (
     DEFAULT_VENV_PYTHON,
     MARKER_NAME,
@@ -51,3 +54,27 @@ def test_a_venv_made_with_other_pins_is_made_again(tmp_path: Path) -> None:
     assert not is_complete(_venv(tmp_path / "b", version, python, pins=[]), version)
     custom = ["transformers==1.0"]
     assert is_complete(_venv(tmp_path / "c", version, python, pins=custom), version, pins=custom)
+
+
+def _wheel(path: Path, body: bytes) -> Path:
+    record = f"pkg/__init__.py,sha256={len(body)},{len(body)}\npkg-1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("pkg/__init__.py", body)
+        zf.writestr("pkg-1.dist-info/RECORD", record)
+    return path
+
+
+def test_plugin_matches_only_the_same_files(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    installed = venv / "lib" / "python3.11" / "site-packages" / "pkg-1.dist-info"
+    installed.mkdir(parents=True)
+    wheel = _wheel(tmp_path / "pkg-1-py3-none-any.whl", b"x = 1\n")
+    assert not venvs.plugin_matches(venv, wheel)  # not installed
+    (installed / "RECORD").write_text(
+        "pkg/__init__.py,sha256=6,6\npkg-1.dist-info/INSTALLER,sha256=i,4\n"
+        "pkg-1.dist-info/RECORD,,\n"
+    )
+    assert venvs.plugin_matches(venv, wheel)
+    (tmp_path / "other").mkdir()
+    other = _wheel(tmp_path / "other" / "pkg-1-py3-none-any.whl", b"x = 22\n")
+    assert not venvs.plugin_matches(venv, other)

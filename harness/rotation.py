@@ -1,0 +1,66 @@
+"""The rotating part of CI: which few of many long cases this commit runs.
+
+CI runs one (or ``n``) of a long list of real-server cases per commit, chosen from the
+commit's hash, so successive commits walk the list; the whole list runs in its own
+resumable program. ``$MMCACHE_FIX_ROTATE_KEY`` overrides the key (to rerun one choice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections.abc import Sequence
+from typing import TypeVar
+
+from harness.paths import REPO_ROOT
+
+T = TypeVar("T")
+KEY_ENV = "MMCACHE_FIX_ROTATE_KEY"
+SOAKS = ("sequential", "concurrent")
+"""The soaks of tests/soak (one per commit in CI)."""
+
+
+def head_commit() -> str:
+    """This checkout's commit (empty outside git)."""
+    res = subprocess.run(
+        ["git", "rev-parse", "HEAD"],
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return res.stdout.strip()
+
+
+def rotate(pool: Sequence[T], n: int = 1, key: str | None = None) -> list[T]:
+    """``n`` distinct entries of ``pool`` chosen by ``key`` (default: this commit)."""
+    if key is None:
+        key = os.environ.get(KEY_ENV) or head_commit()
+    seed = int(hashlib.sha256(key.encode()).hexdigest(), 16)
+    left = list(pool)
+    chosen: list[T] = []
+    while left and len(chosen) < n:
+        chosen.append(left.pop(seed % len(left)))
+        seed //= len(left) + 1
+    return chosen
+
+
+def this_turn(pool: Sequence[str], env: str) -> list[str]:
+    """The cases of ``pool`` this run takes: ``$env`` names them (``all``: every one),
+    else one chosen by :func:`rotate`."""
+    wanted = os.environ.get(env, "").replace(",", " ").split()
+    if wanted == ["all"]:
+        return list(pool)
+    return wanted or rotate(pool)
+
+
+ROTATE_ENV = "MMCACHE_FIX_ROTATE"
+
+
+def per_commit(pool: Sequence[T]) -> list[T]:
+    """One case of ``pool`` per commit (:func:`rotate`); every case with
+    ``MMCACHE_FIX_ROTATE=off``."""
+    if os.environ.get(ROTATE_ENV, "").strip().lower() in ("off", "0", "no"):
+        return list(pool)
+    return rotate(pool)
