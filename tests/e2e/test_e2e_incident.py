@@ -27,6 +27,7 @@ from harness.readme import guide_blocks
 from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX
 from vllm_mmcache_fix.core.settings import ENV_FAIL_AT
+from vllm_mmcache_fix.tools.diagnose import EXIT_CODES, Classification
 
 VERSIONS = e2e_versions()
 
@@ -71,12 +72,12 @@ def test_incident_without_plugin(version: str, vllm_venv) -> None:
         assert new_images[-1].timed_out, _report(result)
         assert result.spin_after is not None and result.spin_after.spinning, _report(result)
         # The freeze, recognised from the API server's PID on the live process.
-        assert diagnosis["classification"] == "SPINNING_IN_MM_CACHE", result.inspection
-        assert result.inspection["rc"] == 3
+        assert diagnosis["verdict"] == "spinning_in_mm_cache", result.inspection
+        assert result.inspection["rc"] == EXIT_CODES[Classification.SPINNING_IN_MM_CACHE]
     else:
         assert not result.hung, _report(result)
         assert len(new_images) == 20 and all(s.ok for s in new_images), _report(result)
-        assert diagnosis["classification"] in ("IDLE", "ACTIVE"), result.inspection
+        assert diagnosis["verdict"] in ("idle", "active"), result.inspection
 
 
 @pytest.mark.parametrize("version", VERSIONS)
