@@ -141,14 +141,20 @@ class Exporter:
             if spec.kind == "counter":
                 made[spec.name] = prom.Counter(spec.name, spec.help, list(spec.labels))
             elif spec.kind == "gauge":
+                # Build info is 1 in every API server: the largest, not the sum.
+                mode: Any = "livemax" if spec.name == n.BUILD_INFO else "livesum"
                 made[spec.name] = prom.Gauge(
-                    spec.name, spec.help, list(spec.labels), multiprocess_mode="livesum"
+                    spec.name, spec.help, list(spec.labels), multiprocess_mode=mode
                 )
             else:
                 made[spec.name] = prom.Histogram(
                     spec.name, spec.help, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
                 )
         self.metrics = made
+        from .. import __version__
+        from ..core.process import vllm_version
+
+        made[n.BUILD_INFO].labels(version=__version__, vllm_version=vllm_version()).set(1)
 
     def stop(self) -> None:
         self._stop.set()

@@ -20,6 +20,10 @@ INTERNAL_ERRORS = "mmcache_fix_internal_errors_total"
 STALLS = "mmcache_fix_stalls_total"
 ROUND_TRIP_SECONDS = "mmcache_fix_engine_round_trip_seconds"
 ROUND_TRIPS_FAILED = "mmcache_fix_engine_round_trips_failed_total"
+BUILD_INFO = "mmcache_fix_build_info"
+"""Always 1; the labels carry the plugin's and vLLM's versions."""
+ENGINE_LAST_ANSWER_AGE = "mmcache_fix_engine_last_answer_age_seconds"
+"""Seconds since each EngineCore last answered (``engine``); read by ``status`` if present."""
 
 # Label values.
 KIND_API_SERVER = "api_server"
@@ -91,6 +95,12 @@ METRICS: tuple[MetricSpec, ...] = (
         ("engine",),
         "/health checks that failed because an EngineCore did not answer in "
         "MMCACHE_FIX_HEALTH_TIMEOUT seconds.",
+    ),
+    MetricSpec(
+        BUILD_INFO,
+        "gauge",
+        ("version", "vllm_version"),
+        "Always 1: the vllm-mmcache-fix and vLLM versions this API server runs.",
     ),
 )
 
