@@ -131,12 +131,16 @@ def _parse_plain(text: str) -> Samples:
         match = _LINE.match(line.strip())
         if match is None:
             continue
-        labels = tuple(sorted(_LABEL.findall(match.group(2) or "")))
+        labels = tuple(sorted((k, _unescape(v)) for k, v in _LABEL.findall(match.group(2) or "")))
         try:
             out[(match.group(1), labels)] = float(match.group(3))
         except ValueError:
             continue
     return out
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
 def _get(url: str, timeout: float) -> tuple[int | None, str, str | None]:
