@@ -242,3 +242,48 @@ def test_a_hash_mismatch_says_what_to_do(entry: dict, tmp_path: Path) -> None:
     steps = " ".join(data["details"])
     assert f"vllm=={VERSION}" in steps and "--force-reinstall" in steps, steps
     assert "plugin" in steps
+
+
+def _farm(tmp_path: Path, target: str, *, own_target: bool) -> tuple[Path, Path]:
+    """A tree of symlinks into a store (Bazel runfiles, a Nix profile): every file of
+    ``vllm`` is a link, except the target when ``own_target``."""
+    store = _tree(tmp_path / "store", target)
+    farm = tmp_path / "farm"
+    for path in sorted(p for p in (store / "vllm").rglob("*") if p.is_file()):
+        link = farm / path.relative_to(store)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+    if own_target:
+        (farm / target).unlink()
+        (farm / target).write_bytes((store / target).read_bytes())
+    return farm, store
+
+
+@pytest.mark.parametrize("own_target", [True, False], ids=["own-file", "linked-file"])
+def test_a_tree_of_symlinks_found_by_import_is_the_root(
+    entry: dict, tmp_path: Path, own_target: bool
+) -> None:
+    """``patch`` finds vLLM where Python imports it, links kept: it changed the store's
+    file behind the links when it resolved ``vllm/__init__.py`` to find the root."""
+    farm, store = _farm(tmp_path, entry["target"], own_target=own_target)
+    stored = (store / entry["target"]).read_bytes()
+    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{farm}")
+    env.pop("MMCACHE_FIX_PATCHES_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "patch", "apply", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=str(tmp_path),
+        check=False,
+    )
+    data = json.loads(done.stdout)
+    assert data["root"] == str(farm), data
+    assert (store / entry["target"]).read_bytes() == stored  # the store is never written
+    if own_target:
+        assert data["verdict"] == "applied", data
+        assert _sha256(farm / entry["target"]) == entry["patched_sha256"][VERSION]
+    else:
+        assert data["verdict"] == "patch_refused" and "symlink" in data["message"], data
+        assert (farm / entry["target"]).is_symlink()

@@ -514,8 +514,8 @@ def _exposure_text(exposure: Exposure | None) -> str:
         return "vLLM's LRUCache could not be probed"
     if exposure.known_trigger:
         return (
-            "this vLLM's touch adds ghost keys: a rejected multimodal request followed by the "
-            "same image can freeze EngineCore at 100% CPU"
+            "this vLLM's touch adds ghost keys (the known trigger): a rejected multimodal "
+            "request followed by the same image can freeze EngineCore at 100% CPU"
         )
     if exposure.eviction_stalls_on_ghost:
         return (

@@ -192,7 +192,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
                 args.root,
                 patches_dir=args.patches_dir,
                 version=args.vllm_version,
-                plugin_protects=_plugin_protects(),
+                plugin_protects=_plugin_protects(args.root),
             )
         else:
             change = sp.revert if action == "revert" else sp.apply
@@ -217,11 +217,20 @@ def cmd_patch(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
-def _plugin_protects() -> str | None:
-    """Why the installed plugin protects this environment's vLLM, from metadata and
-    settings only (``patch`` never imports vLLM); None when it does not."""
-    from .check import plugin_loads
+def _plugin_protects(root: Path | None) -> str | None:
+    """Why the plugin installed next to this Python protects the vLLM at ``root``, from
+    metadata and settings only (``patch`` never imports vLLM); None when it does not, or
+    when ``root`` is another environment's vLLM (this Python's metadata says nothing
+    about that one)."""
+    import os
 
+    from .check import plugin_loads
+    from .source_patch import find_vllm_root
+
+    if root is not None:
+        own = find_vllm_root()
+        if own is None or os.path.abspath(own) != os.path.abspath(root):
+            return None
     return plugin_loads()
 
 

@@ -109,7 +109,7 @@ def _resolve(
         root = find_vllm_root()
         if root is None:
             return Outcome(Verdict.NO_VLLM, "no installed vllm package found; pass --root")
-    root = root.resolve()
+    root = Path(os.path.abspath(root))  # symlinks kept: see _Resolved.via_symlink
     if not (root / "vllm" / "__init__.py").is_file():
         return Outcome(Verdict.NO_VLLM, f"{root} has no vllm/__init__.py", root=root)
     version = version_override or read_vllm_version(root)
