@@ -14,16 +14,21 @@ The metrics cases scrape ``/metrics`` on every e2e version, and with two API ser
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+import vllm_mmcache_fix
 from harness import incident, tiny_models
 from harness.health import HealthPoller, scrape
 from harness.http import free_port, http_get
 from harness.lock import ServerLock
 from harness.paths import log_path as new_log_path
+from harness.readme import guide_blocks
 from harness.server import Server
 from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.core.messages import ENGINE_NOT_ANSWERING
@@ -35,6 +40,22 @@ FREEZE_VERSION = "0.23.0"
 TIMEOUT_S = 3.0
 MARGIN_S = 5.0
 MIN_POLLS = 12
+
+
+def _status_cli(venv: Path, base: str, timeout: float) -> dict:
+    """The README's ``status --url`` line, run against this server."""
+    line = guide_blocks()["status-url"][1].strip().replace("http://localhost:8000", base)
+    done = subprocess.run(
+        ["bash", "-c", f"{line} --json --timeout {timeout:g}"],
+        env={**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        return {"rc": done.returncode, **json.loads(done.stdout)}
+    except json.JSONDecodeError:
+        return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-2000:]}
 
 
 def _polls(result: incident.RunResult, poller: HealthPoller) -> list:
@@ -64,12 +85,14 @@ def _freeze_case(version: str, vllm_venv, wheel: Path | None, env: dict[str, str
         t0 = time.monotonic()
         status, body, took = http_get(base + "/health", TIMEOUT_S + MARGIN_S + 30)
         metrics_status, metrics, _ = scrape(base)
+        after_s = round(time.monotonic() - t0, 2)
         return {
             "health": status,
             "health_s": round(took, 2),
-            "after_s": round(time.monotonic() - t0, 2),
+            "after_s": after_s,
             "metrics_status": metrics_status,
             "metrics": metrics,
+            "status_cli": _status_cli(venv, base, TIMEOUT_S + MARGIN_S + 10),
             "end": time.monotonic(),
         }
 
@@ -113,6 +136,9 @@ def test_health_fails_when_enginecore_spins(plugin_wheel: Path, vllm_venv) -> No
     ]
     assert len(logged) == 1 and "EngineCore has not answered" in logged[0], report
     assert "round trip sent at" in logged[0], report
+    # A fleet script asking the server from outside: stuck (exit 9).
+    status = inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (9, "stuck"), report + str(status)
 
 
 def test_health_stays_200_with_the_fix(plugin_wheel: Path, vllm_venv) -> None:
@@ -132,6 +158,8 @@ def test_health_stays_200_with_the_fix(plugin_wheel: Path, vllm_venv) -> None:
     assert m.get(names.ROLLBACKS, 0) >= 1, report  # request (a) was rolled back
     assert not any(k.startswith(names.ROUND_TRIPS_FAILED) and v for k, v in m.items()), report
     assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 10, report
+    status = inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (0, "protected"), report + str(status)
 
 
 def test_health_stays_200_while_frozen_without_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
@@ -142,6 +170,10 @@ def test_health_stays_200_while_frozen_without_the_plugin(plugin_wheel: Path, vl
     assert result.inspection["health"] == 200, report
     assert all(status == 200 for _, status, _ in _polls(result, poller)), report
     assert not any(k.startswith(names.PREFIX) for k in result.inspection["metrics"]), report
+    # Without the plugin nothing on the server tells a frozen engine: status can only say
+    # that the server is not protected.
+    status = result.inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (3, "unprotected"), report + str(status)
 
 
 def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list[str]) -> tuple:
@@ -157,7 +189,28 @@ def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list
             healths = [http_get(server.base_url + "/health", 30)[0] for _ in range(12)]
             time.sleep(2.5)  # the metrics thread syncs every second
             status, metrics, text = scrape(server.base_url)
+            cli = _status_cli(venv, server.base_url, 30)
+            pids = subprocess.run(
+                ["bash", "-c", guide_blocks()["find-pid"][1]],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+            found = _found_pids(pids, server.pid)
+    assert (cli["rc"], cli.get("verdict")) == (0, "protected"), cli
+    assert cli["plugin_version"] == vllm_mmcache_fix.__version__, cli
+    assert cli["vllm_version"].split("+")[0] == version, cli
+    assert found["api_server"] and found["engine_core"], pids
     return healths, status, metrics, text, log
+
+
+def _found_pids(ps_lines: str, server_pid: int | None) -> dict[str, bool]:
+    """What the README's find-pid line shows: the API server's PID and an EngineCore."""
+    rows = [line.split(None, 2) for line in ps_lines.strip().splitlines()]
+    return {
+        "api_server": any(row[0] == str(server_pid) for row in rows),
+        "engine_core": any("EngineCore" in row[2] for row in rows if len(row) == 3),
+    }
 
 
 def _assert_all_metrics(metrics: dict[str, float], text: str, log: Path) -> None:

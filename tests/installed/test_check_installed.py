@@ -8,11 +8,11 @@ the shared venvs are only read:
 * installed: ``protected`` (0) with the plugin's version; installed but left out by
   ``VLLM_PLUGINS``, or ``MMCACHE_FIX_MODE=warn|off``: ``inactive`` (4) with the cause and
   its one remedy, on every release (0.24+ included: eviction is unsafe on all of them);
-* a layout the plugin does not know (``get_lru_cache`` renamed in a copy of 0.32.0's
-  real files, as a future vLLM might): ``inactive``, ``layout_not_found``;
-* source-patched with ``patch apply`` and the plugin left out: ``protected_source_patch``;
 * a half-installed image (torch missing): ``vllm_import_failed`` (6), valid JSON;
 * ``patch check`` where the plugin protects: ``not_needed`` (0).
+
+A layout the plugin does not know and a source-patched vLLM are run through the README's
+own commands in ``test_guide.py``.
 
 The settings-only cases run in one process per venv (``run_check`` with each
 environment), so vLLM is imported once for them.
@@ -21,7 +21,6 @@ environment), so vLLM is imported once for them.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,11 +32,9 @@ from harness.paths import REPO_ROOT
 from harness.user_venv import UserVenv, make_user_venv
 from harness.venvs import e2e_versions
 from vllm_mmcache_fix.tools import exits
-from vllm_mmcache_fix.vllm_layout import FACTORY_LAYOUTS, MM_CACHE_FACTORY
 
 VERSIONS = e2e_versions()
 VERSION = vllm_mmcache_fix.__version__
-LAYOUT_VERSION = "0.32.0"
 
 BATCH = r"""
 import contextlib, json, sys
@@ -144,78 +141,12 @@ def test_verdicts_on_installed_build(
         expected = "known trigger" if _ghost_touch(version) else "no known trigger"
         assert expected in report["summary"], report["summary"]
 
-    # The command line gives the same verdict its exit code.
-    rc, data = _cli(venv, "check", VLLM_PLUGINS="some_other_plugin")
-    assert (rc, data["verdict"]) == (exits.INACTIVE.code, "inactive")
+    # The command line's own run of the gate: tests/installed/test_guide.py.
     rc, data = _cli(venv, "patch", "check")
     assert (rc, data["verdict"]) == (0, "not_needed"), data
     assert "not needed: the plugin is active" in data["message"]
     rc, data = _cli(venv, "patch", "check", MMCACHE_FIX_MODE="warn")
     assert (rc, data["verdict"]) == (exits.UNPROTECTED.code, "unpatched"), data
-
-
-@pytest.mark.parametrize("version", VERSIONS)
-def test_a_source_patched_vllm_is_protected(
-    version: str, plugin_wheel: Path, tmp_path: Path, vllm_venv
-) -> None:
-    """The documented fallback: ``patch apply`` on vLLM's file, the plugin left out."""
-    target = _target(version)
-    venv = make_user_venv(vllm_venv(version), tmp_path / "venv", own_files=[target])
-    venv.pip_install(str(plugin_wheel))
-    # Where `patch` would write: the scratch venv's copy, never the shared venv.
-    rc, data = _cli(venv, "patch", "check")
-    assert data["root"] == str(venv.view), data
-    assert data["symlink_to"] is None, data
-    rc, data = _cli(venv, "patch", "apply")
-    assert (rc, data["verdict"]) == (0, "applied"), data
-    filtered = {"VLLM_PLUGINS": ""}
-    rc, report = _cli(venv, "check", **filtered)
-    assert (rc, report["verdict"]) == (0, "protected_source_patch"), report
-    assert report["source_patched"] is True and report["source_patch"]["state"] == "applied"
-    assert "eviction fix only" in report["summary"]
-    assert report["cause"] == "filtered_by_vllm_plugins"
-    rc, report = _cli(venv, "check")
-    assert (rc, report["verdict"]) == (0, "protected")
-    assert "source patch is applied too" in report["summary"]
-    rc, data = _cli(venv, "patch", "revert")
-    assert (rc, data["verdict"]) == (0, "reverted"), data
-    rc, data = _cli(venv, "patch", "check", **filtered)
-    assert (rc, data["verdict"]) == (exits.UNPROTECTED.code, "unpatched"), data
-
-
-def test_an_unknown_layout_is_inactive(plugin_wheel: Path, tmp_path: Path, vllm_venv) -> None:
-    """A future vLLM that renames the factory (simulated on a copy of a real release):
-    the gate fails and says to upgrade the plugin, not to install it."""
-    if LAYOUT_VERSION not in VERSIONS:
-        pytest.skip(f"needs {LAYOUT_VERSION}")
-    shared = vllm_venv(LAYOUT_VERSION)
-    files = _files_naming_the_factory(shared)
-    assert any(f == FACTORY_LAYOUTS[0].file for f in files), files
-    venv = make_user_venv(shared, tmp_path / "venv", own_files=files)
-    for relative in files:
-        path = venv.vllm_file(relative)
-        path.write_text(re.sub(rf"\b{MM_CACHE_FACTORY}\b", "build_lru_cache", path.read_text()))
-    venv.pip_install(str(plugin_wheel))
-    rc, report = _cli(venv, "check")
-    assert (rc, report["verdict"], report["cause"]) == (
-        exits.INACTIVE.code,
-        "inactive",
-        "layout_not_found",
-    ), report
-    assert report["entry_point_found"] and report["plugin_allowed"]
-    assert report["patch_works"] is False
-    assert "upgrade vllm-mmcache-fix" in report["remedy"]
-    assert "--mm-processor-cache-gb 0" in report["remedy"]
-    assert "install the vllm-mmcache-fix" not in report["remedy"]
-
-
-def _files_naming_the_factory(shared: Path) -> list[str]:
-    site = next(shared.glob("lib/python3.*/site-packages"))
-    return sorted(
-        str(p.relative_to(site))
-        for p in (site / "vllm" / "multimodal").rglob("*.py")
-        if MM_CACHE_FACTORY in p.read_text(encoding="utf-8", errors="replace")
-    )
 
 
 def test_a_vllm_that_does_not_import(plugin_wheel: Path, tmp_path: Path, vllm_venv) -> None:
