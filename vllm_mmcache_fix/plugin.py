@@ -17,8 +17,7 @@ from typing import Any
 from .core import counters, imports, log, registry
 from .core.lifecycle import STATUS_SCHEMA, Fix
 from .core.process import process_label, vllm_version
-from .core.settings import Mode, read_mode
-from .drift_guard.fix import DriftGuard
+from .drift_guard import GUARD as DRIFT_GUARD
 from .drift_guard.stats import STATS as DRIFT_STATS
 from .engine_liveness.answer import EngineLivenessAnswer
 from .engine_liveness.health import EngineHealth
@@ -28,17 +27,12 @@ from .metrics.fix import PluginMetrics
 from .stall_sentinel.fix import StallSentinelFix
 
 LRU_EVICTION = LruEvictionFix()
-DRIFT_GUARD = DriftGuard()
 ENGINE_ANSWER = EngineLivenessAnswer(lambda: counts())
 ENGINE_HEALTH = EngineHealth()
 METRICS = PluginMetrics(
     lambda: counts(),
     lambda: ENGINE_HEALTH.liveness.engine_counts() if ENGINE_HEALTH.liveness else None,
 )
-ENGINE_HEALTH.on_start = METRICS.start
-ENGINE_HEALTH.on_round_trip = METRICS.observe_round_trip
-ENGINE_HEALTH.on_failure = METRICS.round_trip_failed
-
 STALL_SENTINEL = StallSentinelFix()
 
 FIXES: tuple[Fix, ...] = (
@@ -49,7 +43,7 @@ FIXES: tuple[Fix, ...] = (
     METRICS,
     STALL_SENTINEL,
 )
-"""Installed in this order; ``MMCACHE_FIX_MODE`` other than ``on`` keeps the drift guard out."""
+"""Installed in this order; each decides for itself whether it acts in this process."""
 
 
 def register() -> None:
@@ -65,13 +59,8 @@ def register() -> None:
 
 def instrument() -> dict[str, Any]:
     """Install every fix that applies in this process; idempotent. Returns :func:`status`."""
-    LRU_EVICTION.install()
-    if read_mode().value is Mode.ON:
-        DRIFT_GUARD.install()
-    ENGINE_ANSWER.install()
-    ENGINE_HEALTH.install()
-    METRICS.install()
-    STALL_SENTINEL.install()
+    for fix in FIXES:
+        fix.install()
     return status()
 
 

@@ -17,7 +17,7 @@ import pytest
 from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
-from vllm_mmcache_fix.core import log
+from vllm_mmcache_fix.core import imports, log
 from vllm_mmcache_fix.drift_guard import recovery, sender
 
 LRU_VERSION = "0.24.0"  # touch() of a missing key adds nothing from here on
@@ -255,12 +255,12 @@ def test_patch_when_module_is_imported_later(modules) -> None:
     later = sys.modules.pop("vllm.v1.engine.async_llm")
     st = drift.install()
     assert "generate" not in st["patched"]
-    assert plugin.DRIFT_GUARD._subscription is not None
+    assert plugin.DRIFT_GUARD.waiting_for_import
     # What the import hook does once the module has executed:
     sys.modules["vllm.v1.engine.async_llm"] = later
-    plugin.DRIFT_GUARD._on_import("vllm.v1.engine.async_llm")
+    imports._notify("vllm.v1.engine.async_llm")
     assert "generate" in drift.status()["patched"]
-    assert plugin.DRIFT_GUARD._subscription is None
+    assert not plugin.DRIFT_GUARD.waiting_for_import
 
 
 def test_uninstall_restores_vllm(modules) -> None:

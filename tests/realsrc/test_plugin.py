@@ -78,7 +78,7 @@ def test_patch_before_import(tree, layout: str) -> None:
         cache = m.MultiModalCache.get_lru_cache(1024 / (1 << 30), bytes)
         from vllm_mmcache_fix import plugin
         report(waiting=waiting, cls=type(cache).__name__, progress=ghost_sequence(cache),
-               hook=plugin.LRU_EVICTION._subscription is not None,
+               hook=plugin.LRU_EVICTION.waiting_for_import,
                loader=type(m.__loader__).__name__)
         """,
     )

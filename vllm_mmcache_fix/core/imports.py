@@ -1,10 +1,12 @@
-"""The one owner of import hooks: run callbacks right after modules import.
+"""The one owner of import hooks: run callbacks when modules are imported.
 
 vLLM loads general plugins after ``vllm.multimodal.cache`` is imported in the
 processes seen so far, but a plugin must not rely on import order, nor import
-a heavy module itself (the plugin also runs for ``vllm serve --help``). When
-a target is not imported yet, its fix subscribes here and patches it the
-moment it is. Every fix shares one finder in ``sys.meta_path``.
+a heavy module itself (the plugin also runs for ``vllm serve --help``). A fix
+subscribes to the modules it patches; as with wrapt's post-import hooks, the
+callback runs at once for a module already imported and right after the
+import for the others, until it answers True ("done"). So no caller writes
+"try now, else subscribe". Every fix shares one finder in ``sys.meta_path``.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-Callback = Callable[[str], None]
+Callback = Callable[[str], bool]
+"""``callback(module_name)``: True when the subscriber needs no further imports."""
 
 
 class _NotifyingLoader(importlib.abc.Loader):
     """Delegates to the real loader and reports when the module is executed."""
 
-    def __init__(self, loader: Any, callback: Callback) -> None:
+    def __init__(self, loader: Any, callback: Callable[[str], None]) -> None:
         self._loader = loader
         self._callback = callback
 
@@ -46,12 +49,13 @@ class _NotifyingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _Subscription:
-    __slots__ = ("names", "callback")
+class Subscription:
+    __slots__ = ("names", "callback", "done")
 
     def __init__(self, names: Iterable[str], callback: Callback) -> None:
         self.names = frozenset(names)
         self.callback = callback
+        self.done = False
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -83,7 +87,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 _lock = threading.RLock()
-_subscriptions: list[_Subscription] = []
+_subscriptions: list[Subscription] = []
 _finder = _PostImportFinder()
 
 
@@ -94,24 +98,40 @@ def _watched() -> frozenset[str]:
 
 def _notify(name: str) -> None:
     with _lock:
-        targets = [s.callback for s in _subscriptions if name in s.names]
-    for callback in targets:
-        callback(name)
+        targets = [s for s in _subscriptions if name in s.names]
+    for sub in targets:
+        _deliver(sub, name)
 
 
-def when_imported(names: Iterable[str], callback: Callback) -> _Subscription:
-    """Call ``callback(name)`` after any of ``names`` is imported from now on."""
-    sub = _Subscription(names, callback)
+def _deliver(sub: Subscription, name: str) -> None:
+    if sub.done:
+        return
+    if sub.callback(name):
+        sub.done = True
+        cancel(sub)
+
+
+def when_imported(names: Iterable[str], callback: Callback) -> Subscription:
+    """Call ``callback(name)`` for each of ``names`` already imported (in the order
+    given), then after each of them is imported, until it returns True."""
+    ordered = list(dict.fromkeys(names))
+    sub = Subscription(ordered, callback)
     with _lock:
         _subscriptions.append(sub)
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
+    for name in ordered:
+        if sub.done:
+            break
+        if name in sys.modules:
+            _deliver(sub, name)
     return sub
 
 
-def cancel(sub: _Subscription | None) -> None:
+def cancel(sub: Subscription | None) -> None:
     if sub is None:
         return
+    sub.done = True
     with _lock:
         if sub in _subscriptions:
             _subscriptions.remove(sub)
@@ -125,7 +145,7 @@ def cancel_all() -> None:
             cancel(sub)
 
 
-def active() -> list[_Subscription]:
+def active() -> list[Subscription]:
     """Subscriptions still waiting (empty once every target was patched)."""
     with _lock:
-        return list(_subscriptions) if _finder in sys.meta_path else []
+        return [s for s in _subscriptions if not s.done] if _finder in sys.meta_path else []

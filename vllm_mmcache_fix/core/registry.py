@@ -2,8 +2,10 @@
 
 Three kinds of change, one registry (gevent's ``saved`` in spirit):
 
-- class attributes replaced by a wrapper (``apply`` / ``revert``); the first
-  original wins, so patching twice never loses vLLM's own attribute;
+- class attributes replaced or added (``wrap`` for a wrapper around vLLM's
+  function, ``apply`` for a plain value; ``revert``); the first original wins, so
+  patching twice never loses vLLM's own attribute, and an attribute that was absent
+  is recorded as absent (``ABSENT``), so revert deletes what patching added;
 - attributes set on one vLLM object (``set_instance_attr``), such as the
   per-instance eviction hook of a tracked sender cache;
 - objects whose class was switched (``switch_class``), such as each cache
@@ -15,6 +17,7 @@ Objects are held weakly: a cache vLLM drops is not kept alive by the registry.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,13 +29,24 @@ PATCH_MARKER = "__mmcache_fix_patch__"
 _MISSING = object()
 
 
+class _Absent:
+    """What a class had under a name the plugin added: nothing (revert deletes it)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Any = _Absent()
+
+
 @dataclass(frozen=True)
 class Applied:
     patch_id: str
     owner: type
     attr: str
     original: Any
-    """The raw class attribute vLLM defined (a classmethod/staticmethod object)."""
+    """The raw class attribute vLLM defined (a classmethod/staticmethod object), or
+    ``ABSENT`` when the plugin added the name."""
     replacement: Any
 
     @property
@@ -57,7 +71,7 @@ _instances: dict[tuple[int, str], _InstanceChange] = {}
 
 
 def _raw(owner: type, attr: str) -> Any:
-    return owner.__dict__.get(attr)
+    return owner.__dict__.get(attr, ABSENT)
 
 
 def _func_of(raw: Any) -> Any:
@@ -69,7 +83,7 @@ def is_patched(owner: type, attr: str) -> bool:
 
 
 def get_original(owner: type, attr: str) -> Any:
-    """vLLM's own attribute, whether or not it is patched now."""
+    """vLLM's own attribute, whether or not it is patched now (``ABSENT`` if none)."""
     with _lock:
         entry = _applied.get((owner, attr))
         return entry.original if entry is not None else _raw(owner, attr)
@@ -87,12 +101,39 @@ def apply(patch_id: str, owner: type, attr: str, replacement: Any) -> bool:
         return True
 
 
+def wrap(patch_id: str, owner: type, attr: str, make: Callable[[Any], Any]) -> bool:
+    """Replace vLLM's function ``owner.attr`` by ``make(function)``; False when already done.
+
+    The replacement gets ``functools.wraps(function)`` (name, docstring, ``__wrapped__``,
+    so ``inspect.signature`` still reads vLLM's parameters), the marker and the registry
+    record; a classmethod or staticmethod stays one. ``make`` may raise (a signature it
+    cannot serve): then nothing is changed.
+    """
+    with _lock:
+        if (owner, attr) in _applied or is_patched(owner, attr):
+            return False
+        raw = _raw(owner, attr)
+        function = _func_of(raw)
+        if not callable(function):
+            raise TypeError(f"{owner.__qualname__}.{attr} is not a function")
+        replacement: Any = functools.wraps(function)(make(function))
+        if isinstance(raw, classmethod):
+            replacement = classmethod(replacement)
+        elif isinstance(raw, staticmethod):
+            replacement = staticmethod(replacement)
+        return apply(patch_id, owner, attr, replacement)
+
+
 def revert(owner: type, attr: str) -> bool:
     with _lock:
         entry = _applied.pop((owner, attr), None)
         if entry is None:
             return False
-        setattr(owner, attr, entry.original)
+        if entry.original is ABSENT:
+            if attr in owner.__dict__:
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, entry.original)
         return True
 
 

@@ -25,26 +25,31 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.settings import ENV_DRIFT, DriftMode, read_drift_mode
+from .fix import DriftGuard
 
-__all__ = ["ENV_DRIFT", "DriftMode", "install", "read_drift_mode", "status", "uninstall"]
+__all__ = [
+    "ENV_DRIFT",
+    "GUARD",
+    "DriftMode",
+    "install",
+    "read_drift_mode",
+    "status",
+    "uninstall",
+]
 
-
-def _guard() -> Any:
-    from ..plugin import DRIFT_GUARD
-
-    return DRIFT_GUARD
+GUARD = DriftGuard()
+"""The process's drift guard (``plugin.FIXES`` holds the same object)."""
 
 
 def install() -> dict[str, Any]:
     """Install the drift guard alone (the plugin installs it with the eviction fix)."""
-    guard = _guard()
-    guard.install()
-    return guard.status()
+    GUARD.install()
+    return GUARD.status()
 
 
 def uninstall() -> None:
-    _guard().uninstall()
+    GUARD.uninstall()
 
 
 def status() -> dict[str, Any]:
-    return _guard().status()
+    return GUARD.status()

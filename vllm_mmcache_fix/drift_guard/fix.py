@@ -7,11 +7,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..core import imports, log, registry
+from ..core import log, registry
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import DRIFT_GUARD_ACTIVE, DRIFT_RECOVERY_ACTIVE
 from ..core.process import process_label
-from ..core.settings import DriftMode, read_drift_mode
+from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
 from . import processor, records, recovery, sender
@@ -40,18 +40,21 @@ def patch_id(target: str) -> str:
 class DriftGuard(Fix):
     id = FIX_ID
     runs_in = "API server"
+    watches = DRIFT_WATCHED_MODULES
 
     def __init__(self) -> None:
         super().__init__()
         self.errors = ERRORS
         STATE.fix = self
-        self._subscription: Any = None
         self.announced = False
         self.recovery_announced = False
 
     # -- lifecycle -----------------------------------------------------------------
 
     def _install(self) -> None:
+        mode = read_mode().value
+        if mode is not Mode.ON:
+            raise DidNotEnable(f"MMCACHE_FIX_MODE={mode.value}: only 'on' guards the sender cache")
         setting = read_drift_mode()
         STATE.mode = setting.value
         if setting.problem:
@@ -60,13 +63,8 @@ class DriftGuard(Fix):
             raise DidNotEnable("disabled by MMCACHE_FIX_DRIFT=off")
         ERRORS.reload_faults()
         STATE.installed = True
-        self._patch_available()
-        if len(STATE.patched) < len(DRIFT_TARGETS):
-            self._subscription = imports.when_imported(DRIFT_WATCHED_MODULES, self._on_import)
 
     def _uninstall(self) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
         records.clear()
@@ -109,14 +107,9 @@ class DriftGuard(Fix):
 
     # -- finding and patching --------------------------------------------------------
 
-    def _on_import(self, name: str) -> None:
-        try:
-            self._patch_available()
-            if len(STATE.patched) == len(DRIFT_TARGETS):
-                imports.cancel(self._subscription)
-                self._subscription = None
-        except Exception as exc:
-            self.note(f"internal error after importing {name}: {exc!r}")
+    def _on_import(self, name: str) -> bool:
+        self._patch_available()
+        return len(STATE.patched) == len(DRIFT_TARGETS)
 
     def _patch_available(self) -> None:
         with STATE.lock:
@@ -139,17 +132,14 @@ class DriftGuard(Fix):
 
     def _patch(self, target: DriftTarget, cls: type) -> str | None:
         """Wrap ``cls``'s methods for ``target``; all or none. Returns why not, or None."""
-        replacements = []
         for attr, make in WRAPPERS[target.name]:
-            original = cls.__dict__.get(attr)
-            if not callable(original):
+            if not callable(cls.__dict__.get(attr)):
                 continue  # optional method absent in this release
             try:
-                replacements.append((attr, make(original)))
+                registry.wrap(patch_id(target.name), cls, attr, make)
             except SignatureMismatch as exc:
+                registry.revert_patch(patch_id(target.name))
                 return str(exc)
-        for attr, replacement in replacements:
-            registry.apply(patch_id(target.name), cls, attr, replacement)
         return None
 
     def announce(self) -> None:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..core import imports, log, registry
+from ..core import log, registry
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.process import process_label, process_name
 from ..core.settings import Mode, read_mode
@@ -27,13 +27,13 @@ Counts = Callable[[], "dict[str, int]"]
 class EngineLivenessAnswer(Fix):
     id = "engine-liveness-answer"
     runs_in = "EngineCore"
+    watches = (ENGINE_CORE_CLASS.module,)
 
     def __init__(self, counts: Counts) -> None:
         super().__init__()
         self.counts = counts
         self.target: str | None = None
         self.answers = 0
-        self._subscription: Any = None
         self._site = self.errors.site("engine_liveness.answer")
 
     def _install(self) -> None:
@@ -41,29 +41,17 @@ class EngineLivenessAnswer(Fix):
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         if not process_name().startswith(ENGINE_CORE_PROCESS):
             raise DidNotEnable(f"not an {ENGINE_CORE_PROCESS} process")
-        if not self._patch():
-            self._subscription = imports.when_imported([ENGINE_CORE_CLASS.module], self._on_import)
 
     def _uninstall(self) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
-        cls = self._engine_core_class()
         registry.revert_patch(PATCH_ID)
-        if cls is not None and cls.__dict__.get(ENGINE_PING_METHOD, 0) is None:
-            delattr(cls, ENGINE_PING_METHOD)  # the registry puts back "nothing" as None
         self.target = None
         self.answers = 0
 
     def _status(self) -> dict[str, Any]:
         return {"target": self.target, "answers": self.answers}
 
-    def _on_import(self, name: str) -> None:
-        try:
-            if self._patch():
-                imports.cancel(self._subscription)
-                self._subscription = None
-        except Exception as exc:
-            self.note_problem(f"internal error after importing {name}: {exc!r}")
+    def _on_import(self, name: str) -> bool:
+        return self._patch()
 
     @staticmethod
     def _engine_core_class() -> type | None:

@@ -9,10 +9,9 @@ answered within the timeout, the wrapper raises a subclass of vLLM's
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from ..core import imports, log, registry
+from ..core import log, registry, signals
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.process import process_label
 from ..core.settings import Mode, read_health_timeout, read_mode
@@ -25,6 +24,7 @@ PATCH_ID = "engine-liveness-health"
 class EngineHealth(Fix):
     id = "engine-liveness-health"
     runs_in = "API server"
+    watches = (HEALTH_TARGET.module,)
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,11 +32,6 @@ class EngineHealth(Fix):
         self.liveness: Liveness | None = None
         self.target: str | None = None
         self.switched_off: str | None = None
-        self.on_start: Callable[[], None] = lambda: None
-        """Called before each round trip (the metrics start there if nothing started them)."""
-        self.on_round_trip: Callable[[str, float], None] = lambda engine, seconds: None
-        self.on_failure: Callable[[str], None] = lambda engine: None
-        self._subscription: Any = None
         self._error_classes: dict[type, type] = {}
         self._site = self.errors.site("engine_health.round_trip")
 
@@ -53,16 +48,12 @@ class EngineHealth(Fix):
             raise DidNotEnable("disabled by MMCACHE_FIX_HEALTH_TIMEOUT=0")
         self.liveness = Liveness(
             setting.value,
-            on_round_trip=lambda e, s: self.on_round_trip(e, s),
-            on_failure=lambda e: self.on_failure(e),
+            on_round_trip=signals.ENGINE_ANSWERED.send,
+            on_failure=signals.ENGINE_NOT_ANSWERING.send,
         )
         self.errors.reload_faults()
-        if not self._patch():
-            self._subscription = imports.when_imported([HEALTH_TARGET.module], self._on_import)
 
     def _uninstall(self) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
         registry.revert_patch(PATCH_ID)
         self.timeout = None
         self.liveness = None
@@ -81,25 +72,17 @@ class EngineHealth(Fix):
         self.switched_off = f"internal error at {where}: {exc!r}"
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
 
-    def _on_import(self, name: str) -> None:
-        try:
-            if self._patch():
-                imports.cancel(self._subscription)
-                self._subscription = None
-        except Exception as exc:
-            self.note_problem(f"internal error after importing {name}: {exc!r}")
-
-    def _patch(self) -> bool:
+    def _on_import(self, name: str) -> bool:
         module = sys.modules.get(HEALTH_TARGET.module)
-        if module is None:
-            return False
         cls = getattr(module, HEALTH_TARGET.cls, None)
         original = cls.__dict__.get(HEALTH_METHOD) if isinstance(cls, type) else None
         if not isinstance(cls, type) or original is None or not callable(original):
             where = f"{HEALTH_TARGET.module}.{HEALTH_TARGET.cls}.{HEALTH_METHOD}"
             self.note_problem(f"{where} not found")
             return True
-        registry.apply(PATCH_ID, cls, HEALTH_METHOD, wrap_check_health(self, original))
+        registry.wrap(
+            PATCH_ID, cls, HEALTH_METHOD, lambda vllm_check: wrap_check_health(self, vllm_check)
+        )
         self.target = f"{cls.__module__}.{cls.__qualname__}.{HEALTH_METHOD}"
         log.info(
             "engine liveness on /health in %s: %s also waits up to %gs for every EngineCore "
@@ -120,7 +103,7 @@ class EngineHealth(Fix):
         client = getattr(engine, ENGINE_CLIENT_ATTR, None)
         if not liveness.usable(client):
             return None  # in-process engine: nothing to ask
-        self.on_start()
+        signals.ENGINE_CHECK_STARTING.send()
         return await liveness.check(client)
 
     def error(self, text: str) -> BaseException:
@@ -156,6 +139,4 @@ def wrap_check_health(fix: EngineHealth, original: Any) -> Any:
         if failure is not None:
             raise fix.error(failure)
 
-    check_health.__wrapped__ = original  # type: ignore[attr-defined]
-    check_health.__doc__ = getattr(original, "__doc__", None)
     return check_health

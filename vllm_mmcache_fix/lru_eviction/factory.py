@@ -8,7 +8,6 @@ only reads the capacity for the start-up check.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -59,27 +58,28 @@ def _guarded(on_build: OnBuild, on_error: Callable[[BaseException], None]) -> On
     return call
 
 
-def build_wrapper(
+def wrapper_maker(
     factory: CacheFactory, on_build: OnBuild, on_error: Callable[[BaseException], None]
-) -> Any:
-    raw = factory.owner.__dict__[FACTORY]
-    func = raw.__func__
+) -> Callable[[Any], Any]:
+    """``make(func)`` for :func:`registry.wrap`: vLLM's factory function -> the wrapper."""
     handle = _guarded(on_build, on_error)
-    position = capacity_reader(func, bound=factory.kind == "classmethod")
+    bound = factory.kind == "classmethod"
 
-    if factory.kind == "classmethod":
+    def make(func: Any) -> Any:
+        position = capacity_reader(func, bound=bound)
+        if bound:
 
-        @functools.wraps(func)
-        def get_lru_cache(cls: type, *args: Any, **kwargs: Any) -> Any:
-            return handle(func(cls, *args, **kwargs), _capacity(position, args, kwargs))
+            def get_lru_cache(cls: type, *args: Any, **kwargs: Any) -> Any:
+                return handle(func(cls, *args, **kwargs), _capacity(position, args, kwargs))
 
-        return classmethod(get_lru_cache)
+            return get_lru_cache
 
-    @functools.wraps(func)
-    def get_lru_cache_static(*args: Any, **kwargs: Any) -> Any:
-        return handle(func(*args, **kwargs), _capacity(position, args, kwargs))
+        def get_lru_cache_static(*args: Any, **kwargs: Any) -> Any:
+            return handle(func(*args, **kwargs), _capacity(position, args, kwargs))
 
-    return staticmethod(get_lru_cache_static)
+        return get_lru_cache_static
+
+    return make
 
 
 def wrap_factory(
@@ -89,8 +89,6 @@ def wrap_factory(
     on_error: Callable[[BaseException], None],
 ) -> bool:
     """Install the wrapper; False if a wrapper of this package is already there."""
-    if registry.is_patched(factory.owner, FACTORY):
-        return False
-    return registry.apply(
-        patch_id, factory.owner, FACTORY, build_wrapper(factory, on_build, on_error)
+    return registry.wrap(
+        patch_id, factory.owner, FACTORY, wrapper_maker(factory, on_build, on_error)
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..core import imports, log, registry
+from ..core import log, registry
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import REPAIRED
 from ..core.process import process_label
@@ -23,6 +23,7 @@ REPAIR_LOG_INTERVAL_S = 60.0
 class LruEvictionFix(Fix):
     id = "mm-lru-eviction"
     runs_in = "every process"
+    watches = WATCHED_MODULES
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,7 +35,6 @@ class LruEvictionFix(Fix):
     def _reset(self) -> None:
         self.mode: Mode | None = None
         self.installed = False
-        self.waiting_for_import = False
         self.target: str | None = None
         self.layout: str | None = None
         self.exposure: Exposure | None = None
@@ -43,7 +43,6 @@ class LruEvictionFix(Fix):
         self.announcement: str | None = None
         """The "active" line, held back until vLLM's logging is set up."""
         self.warned = False
-        self._subscription: Any = None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -57,13 +56,8 @@ class LruEvictionFix(Fix):
             log.info("disabled by MMCACHE_FIX_MODE=off in %s; nothing patched", process_label())
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         fixed_cache.add_repair_listener(self._on_repair)
-        if not self._try_locate_and_patch(final=_all_watched_imported()):
-            self.waiting_for_import = True
-            self._subscription = imports.when_imported(WATCHED_MODULES, self._on_import)
 
     def _uninstall(self) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
         registry.revert_patch(PATCH_FIX)
         registry.revert_patch(PATCH_OBSERVE)
         fixed_cache.remove_repair_listener(self._on_repair)
@@ -87,17 +81,8 @@ class LruEvictionFix(Fix):
 
     # -- finding and patching --------------------------------------------------------
 
-    def _on_import(self, name: str) -> None:
-        try:
-            with self.lock:
-                if not self.waiting_for_import:
-                    return
-                if self._try_locate_and_patch(final=_all_watched_imported()):
-                    self.waiting_for_import = False
-                    imports.cancel(self._subscription)
-                    self._subscription = None
-        except Exception as exc:
-            log.warning("internal error after importing %s, vLLM left as it is: %r", name, exc)
+    def _on_import(self, name: str) -> bool:
+        return self._try_locate_and_patch(final=_all_watched_imported())
 
     def _try_locate_and_patch(self, *, final: bool) -> bool:
         """True when done (patched, or given up for good)."""
@@ -134,9 +119,6 @@ class LruEvictionFix(Fix):
 
     def _give_up(self, reason: str) -> None:
         self.not_enabled_reason = reason
-        self.waiting_for_import = False
-        imports.cancel(self._subscription)
-        self._subscription = None
         exposure = self.exposure or _probe_installed_lru()
         if exposure is None or report.needs_warning(exposure, None):
             self.warned = True

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core import imports
+from ..core import signals
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.settings import Mode, read_mode
 from ..vllm_layout import METRICS_ROUTE_MODULES
@@ -16,6 +15,7 @@ from .exporter import Exporter
 class PluginMetrics(Fix):
     id = "plugin-metrics"
     runs_in = "API server"
+    watches = METRICS_ROUTE_MODULES
 
     def __init__(
         self,
@@ -24,21 +24,20 @@ class PluginMetrics(Fix):
     ) -> None:
         super().__init__()
         self.exporter = Exporter(local, engines, self._sync_failed)
-        self._subscription: Any = None
         self._site = self.errors.site("metrics.start")
         self.switched_off: str | None = None
 
     def _install(self) -> None:
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
-        if any(m in sys.modules for m in METRICS_ROUTE_MODULES):
-            self.start()
-        else:
-            self._subscription = imports.when_imported(METRICS_ROUTE_MODULES, self._on_import)
+        signals.ENGINE_CHECK_STARTING.connect(self.start)
+        signals.ENGINE_ANSWERED.connect(self.observe_round_trip)
+        signals.ENGINE_NOT_ANSWERING.connect(self.round_trip_failed)
 
     def _uninstall(self) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
+        signals.ENGINE_CHECK_STARTING.disconnect(self.start)
+        signals.ENGINE_ANSWERED.disconnect(self.observe_round_trip)
+        signals.ENGINE_NOT_ANSWERING.disconnect(self.round_trip_failed)
         self.exporter.unregister()
         self.switched_off = None
 
@@ -49,14 +48,13 @@ class PluginMetrics(Fix):
             "switched_off": self.switched_off,
         }
 
-    def _on_import(self, name: str) -> None:
-        imports.cancel(self._subscription)
-        self._subscription = None
+    def _on_import(self, name: str) -> bool:
         self.start()
+        return True
 
     def start(self) -> None:
         """Create the metrics in this (serving) process; idempotent, never raises."""
-        if not self.enabled and not self.attempted:
+        if not self.attempted:
             return
         if self.exporter.started or self.switched_off is not None:
             return
