@@ -195,6 +195,7 @@ def _scrape_server(version: str, vllm_venv, plugin_wheel: Path, extra_args: list
                 capture_output=True,
                 text=True,
                 timeout=60,
+                env={**os.environ, "COLUMNS": "80"},  # ps cut lines to this without -ww
             ).stdout
             found = _found_pids(pids, server.pid)
     assert (cli["rc"], cli.get("verdict")) == (0, "protected"), cli
