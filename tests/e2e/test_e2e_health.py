@@ -19,15 +19,25 @@ series must arrive whoever calls ``/health``, and whichever API server a call la
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+import vllm_mmcache_fix
 from harness import runner
 from harness.health import scrape
 from harness.http import http_get
-from harness.shared_servers import HEALTH_TIMEOUT_S, MARGIN_S, SharedServers, WatchedReplay
+from harness.readme import guide_blocks
+from harness.shared_servers import (
+    HEALTH_TIMEOUT_S,
+    MARGIN_S,
+    SharedServers,
+    WatchedReplay,
+    status_cli,
+)
 from harness.venvs import complete_venv, e2e_versions
 from vllm_mmcache_fix.core.messages import ENGINE_NOT_ANSWERING
 from vllm_mmcache_fix.metrics import names
@@ -61,6 +71,9 @@ def test_health_fails_when_enginecore_spins(frozen_in_warn_mode: WatchedReplay) 
     ]
     assert len(logged) == 1 and "EngineCore has not answered" in logged[0], report
     assert "pings sent since" in logged[0] and "input thread" in logged[0], report
+    # A fleet script asking the server from outside: stuck (exit 9).
+    status = inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (9, "stuck"), report + str(status)
 
 
 def test_health_stays_200_with_the_fix(fixed_with_short_thresholds: WatchedReplay) -> None:
@@ -81,6 +94,8 @@ def test_health_stays_200_with_the_fix(fixed_with_short_thresholds: WatchedRepla
     assert m.get(names.ROLLBACKS, 0) >= 1, report  # request (a) was rolled back
     assert not any(k.startswith(names.ROUND_TRIPS_FAILED) and v for k, v in m.items()), report
     assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 5, report  # a heartbeat every 2 s
+    status = inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (0, "protected"), report + str(status)
 
 
 def test_health_stays_200_while_frozen_without_the_plugin(
@@ -95,6 +110,10 @@ def test_health_stays_200_while_frozen_without_the_plugin(
     assert inspection["health"] == 200, report
     assert all(status == 200 for _, status, _ in frozen_without_plugin.polls()), report
     assert not any(k.startswith(names.PREFIX) for k in inspection["metrics"]), report
+    # Without the plugin nothing on the server tells a frozen engine: status can only say
+    # that the server is not protected.
+    status = inspection["status_cli"]
+    assert (status["rc"], status.get("verdict")) == (3, "unprotected"), report + str(status)
 
 
 def wait_for_engine_series(base_url: str) -> tuple[int | None, dict[str, float], str, float]:
@@ -131,6 +150,29 @@ def test_metrics_on_one_api_server(version: str, shared_server: SharedServers) -
     assert "vllm:" in text  # vLLM's own metrics are still there
     healths = [http_get(session.base_url + "/health", 30)[0] for _ in range(4)]
     assert healths == [200] * 4, where
+    # The README's status line and find-pid line, as an operator runs them.
+    cli = status_cli(session.venv, session.base_url, 30)
+    assert (cli["rc"], cli.get("verdict")) == (0, "protected"), cli
+    assert cli["plugin_version"] == vllm_mmcache_fix.__version__, cli
+    assert cli["vllm_version"].split("+")[0] == version, cli
+    pids = subprocess.run(
+        ["bash", "-c", guide_blocks()["find-pid"][1]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "80"},  # ps cuts lines to this without -ww
+    ).stdout
+    found = _found_pids(pids, session.pid)
+    assert found["api_server"] and found["engine_core"], pids
+
+
+def _found_pids(ps_lines: str, server_pid: int | None) -> dict[str, bool]:
+    """What the README's find-pid line shows: the API server's PID and an EngineCore."""
+    rows = [line.split(None, 2) for line in ps_lines.strip().splitlines()]
+    return {
+        "api_server": any(row[0] == str(server_pid) for row in rows),
+        "engine_core": any("EngineCore" in row[2] for row in rows if len(row) == 3),
+    }
 
 
 TWO_API_VERSIONS = [v for v in VERSIONS if v == "0.32.0"] or VERSIONS[-1:]

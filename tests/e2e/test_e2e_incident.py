@@ -34,6 +34,7 @@ from harness.shared_servers import FREEZE_VERSION, SharedServers, WatchedReplay,
 from harness.venvs import complete_venv, e2e_versions
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR, PREFIX
 from vllm_mmcache_fix.core.settings import ENV_FAIL_AT
+from vllm_mmcache_fix.tools.diagnose import EXIT_CODES, Classification
 
 VERSIONS = e2e_versions()
 
@@ -75,7 +76,7 @@ def test_incident_without_plugin(version: str, shared_server: SharedServers) -> 
     assert len(new_images) == 20 and all(s.ok for s in new_images), _report(result)
     assert isinstance(result.inspection, dict)
     diagnosis = json.loads(result.inspection["report"])
-    assert diagnosis["classification"] in ("IDLE", "ACTIVE"), result.inspection
+    assert diagnosis["verdict"] in ("idle", "active"), result.inspection
 
 
 def test_incident_freezes_without_plugin(frozen_without_plugin: WatchedReplay) -> None:
@@ -92,8 +93,8 @@ def test_incident_freezes_without_plugin(frozen_without_plugin: WatchedReplay) -
     assert result.spin_after is not None and result.spin_after.spinning, _report(result)
     assert isinstance(result.inspection, dict)
     diagnosis = json.loads(result.inspection["report"])
-    assert diagnosis["classification"] == "SPINNING_IN_MM_CACHE", result.inspection
-    assert result.inspection["rc"] == 3
+    assert diagnosis["verdict"] == "spinning_in_mm_cache", result.inspection
+    assert result.inspection["rc"] == EXIT_CODES[Classification.SPINNING_IN_MM_CACHE]
 
 
 @pytest.mark.shared_server("plugin")

@@ -124,7 +124,7 @@ def test_py_spy_without_ptrace_permission_degrades(real_sources: Path, children:
     finally:
         shutil.rmtree(bindir, ignore_errors=True)
     data = json.loads(out)
-    assert data["classification"] == "SPINNING", out
+    assert data["verdict"] == "spinning", out
     [report] = data["processes"]
     assert report["stack_check"]["status"] == "failed"
     assert "ptrace" in report["stack_check"]["detail"]
@@ -170,12 +170,12 @@ def test_cli_exit_codes(real_sources: Path, children: Children) -> None:
         "--pid", str(proc.pid), "--interval", str(INTERVAL), "--json", "--no-py-spy"
     )
     data = json.loads(done.stdout)
-    assert data["classification"] == "SPINNING"
+    assert data["verdict"] == "spinning"
     assert done.returncode == EXIT_CODES[C.SPINNING] == data["exit_code"], done.stderr
     if PY_SPY is not None:
         done = diagnose_cli("--pid", str(proc.pid), "--interval", str(INTERVAL))
         assert done.returncode == EXIT_CODES[C.SPINNING_IN_MM_CACHE], done.stdout + done.stderr
-        assert done.stdout.startswith(f"PID {proc.pid}: SPINNING_IN_MM_CACHE")
+        assert done.stdout.startswith(f"PID {proc.pid}: spinning_in_mm_cache")
 
     pid = dead_pid()
     if pid is None:

@@ -650,21 +650,25 @@ def test_dist_info_version_and_missing_tree(index: dict, tmp_path: Path) -> None
 
 def test_cli_finds_vllm_without_importing_it(index: dict, tmp_path: Path) -> None:
     root, target, entry = _tree(tmp_path, "0.29.0", index)
-    env = dict(os.environ, PYTHONPATH=str(root), PYTHON=sys.executable)
+    # MMCACHE_FIX_MODE=off: a checkout's build metadata may name the plugin's entry point,
+    # and `patch check` would then say "not needed" for this Python's vLLM.
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHON=sys.executable, MMCACHE_FIX_MODE="off")
     env.pop(source_patch.PATCHES_ENV, None)
     script = [str(PROJECT / "scripts" / "apply-patch")]
     check = subprocess.run(
-        [*script, "--check", "--json"], env=env, capture_output=True, text=True, check=False
+        [*script, "check", "--json"], env=env, capture_output=True, text=True, check=False
     )
     assert check.returncode == EXIT_NOT_APPLIED, check.stdout + check.stderr
     report = json.loads(check.stdout)
     assert report["root"] == str(root.resolve()) and report["version"] == "0.29.0"
-    applied = subprocess.run(script, env=env, capture_output=True, text=True, check=False)
+    applied = subprocess.run(
+        [*script, "apply"], env=env, capture_output=True, text=True, check=False
+    )
     assert applied.returncode == EXIT_OK, applied.stdout + applied.stderr
     assert applied.stdout.startswith("vllm-mmcache-fix: vLLM 0.29.0: applied")
     assert _sha256(target) == entry["patched_sha256"]["0.29.0"]
     reverted = subprocess.run(
-        [*script, "--revert"], env=env, capture_output=True, text=True, check=False
+        [*script, "revert"], env=env, capture_output=True, text=True, check=False
     )
     assert reverted.returncode == EXIT_OK, reverted.stderr
     assert _sha256(target) == entry["original_sha256"]["0.29.0"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.layouts import run_snippet, write_layout
+from vllm_mmcache_fix import __version__
 
 LAYOUTS = {
     "package": ("0.33.0", "vllm.multimodal.cache.base"),
@@ -388,4 +389,5 @@ def test_editable_dev_and_odd_version_strings(tmp_path: Path, lru_source, versio
     assert result["cls"] == "FixedLRUCache" and result["progress"] is True
     assert result["status"]["vllm_version"] == version
     assert result["status"]["exposure"]["touch_creates_ghost"] is True
-    assert f"vLLM {version}:" in _messages(result, "INFO")[0]
+    # The active line names both versions: vLLM's as it reads itself, then the plugin's.
+    assert f"vLLM {version}, vllm-mmcache-fix {__version__}:" in _messages(result, "INFO")[0]

@@ -324,3 +324,89 @@ def test_parse_py_spy_dump_and_stack_rule() -> None:
     assert not stack_in_mm_cache([("Cache.__setitem__", "/x/cachetools/__init__.py")])
     # A popitem of some other class does not count.
     assert not stack_in_mm_cache([("popitem", "/x/app.py"), ("__setitem__", "/x/app.py")])
+
+
+# --------------------------------------------------------------------------- input thread
+
+# EngineCore's thread layout (``EngineCoreProc`` of vLLM 0.10-0.13: an input thread and an
+# output thread started with ``target=self.process_..._sockets``, the busy loop in the main
+# thread). On 0.13 and older the input thread ends when a request fails its preprocessing
+# (the receiver cache's ``Expected a cached item`` assertion); ``INPUT_DIES`` makes it so.
+ENGINE = """
+import os, queue, sys, threading, time
+
+with open("/proc/self/comm", "w") as handle:
+    handle.write("VLLM::EngineCore")
+
+
+class EngineCoreProc:
+    def __init__(self):
+        self.input_queue = queue.Queue()
+        self.output_queue = queue.Queue()
+
+    def process_input_sockets(self):
+        if sys.argv[1] == "INPUT_DIES":
+            raise AssertionError("Expected a cached item for mm_hash='0f3a'")
+        while True:
+            self.input_queue.put(self.output_queue.get())
+
+    def process_output_sockets(self):
+        while True:
+            self.output_queue.get()
+
+    def run_busy_loop(self):
+        while True:
+            try:
+                self.input_queue.get(timeout=2.5)
+            except queue.Empty:
+                pass
+
+
+engine = EngineCoreProc()
+inputs = threading.Thread(target=engine.process_input_sockets, daemon=True)
+inputs.start()
+threading.Thread(target=engine.process_output_sockets, daemon=True).start()
+inputs.join(timeout=0.5)
+print("ready", flush=True)
+engine.run_busy_loop()
+"""
+
+
+@needs_py_spy
+@pytest.mark.parametrize("case", ["INPUT_DIES", "INPUT_LIVES"])
+def test_idle_engine_without_its_input_thread(children: Children, case: str) -> None:
+    proc = children.start(ENGINE, case)
+    assert read_line(proc) == "ready"
+
+    d = diagnose(proc.pid, interval=INTERVAL)
+
+    report = only(d, proc.pid)
+    assert report.role == "EngineCore"
+    if case == "INPUT_DIES":
+        assert d.classification is C.ENGINE_INPUT_THREAD_GONE, render(d)
+        assert report.input_thread_gone is True
+        assert d.exit_code == EXIT_CODES[C.ENGINE_INPUT_THREAD_GONE] == 16
+        assert "restart the server" in d.remedy
+        assert "input thread: GONE" in render(d)
+    else:
+        assert d.classification is C.IDLE, render(d)
+        assert report.input_thread_gone is False
+    assert_serialisable(d)
+
+
+def test_idle_engine_without_py_spy_says_what_to_run() -> None:
+    from vllm_mmcache_fix.tools.diagnose import REMEDIES
+
+    assert "0.13 and older" in REMEDIES[C.IDLE] and "py-spy" in REMEDIES[C.IDLE]
+
+
+def test_input_thread_rule() -> None:
+    from vllm_mmcache_fix.tools.diagnose import input_thread_gone
+
+    output = ("Thread-2 (process_output_sockets)", ["EngineCoreProc.process_output_sockets"])
+    main = ("MainThread", ["Queue.get", "EngineCoreProc.run_busy_loop"])
+    unnamed_input = (None, ["Poller.poll", "EngineCoreProc.process_input_sockets"])
+    assert input_thread_gone([main, output]) is True
+    assert input_thread_gone([main, output, unnamed_input]) is False
+    assert input_thread_gone([main, ("Thread-1 (process_input_sockets)", []), output]) is False
+    assert input_thread_gone([main]) is None  # not a multiprocess engine: cannot tell

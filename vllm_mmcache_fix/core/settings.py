@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 ENV_MODE = "MMCACHE_FIX_MODE"
 ENV_DRIFT = "MMCACHE_FIX_DRIFT"
@@ -142,3 +142,182 @@ DEFAULT_STALL_SECONDS = 10.0
 def read_stall_seconds(environ: Mapping[str, str] | None = None) -> FloatSetting:
     """How long a thread may stay in one place burning CPU before it is reported; 0: off."""
     return read_float(ENV_STALL_SECONDS, DEFAULT_STALL_SECONDS, environ)
+
+
+# --------------------------------------------------------------------------- the table
+
+ENV_PATCHES_DIR = "MMCACHE_FIX_PATCHES_DIR"
+"""Where ``vllm-mmcache-fix patch`` finds ``index.json`` and the diffs (default: the wheel's)."""
+
+ENV_PREFIX = "MMCACHE_FIX_"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One setting as a process would read it: the value it uses and, if the environment's
+    value was not usable (or is risky), one sentence saying why."""
+
+    value: object
+    problem: str | None = None
+
+
+def _read_fail_at(environ: Mapping[str, str]) -> Reading:
+    places = read_fail_at(environ)
+    if not places:
+        return Reading("")
+    return Reading(
+        ",".join(sorted(places)),
+        f"{ENV_FAIL_AT}={environ.get(ENV_FAIL_AT)!r} makes the plugin fail on purpose at "
+        "these places (fault injection, for tests only); unset it in production",
+    )
+
+
+def _read_patches_dir(environ: Mapping[str, str]) -> Reading:
+    raw = environ.get(ENV_PATCHES_DIR)
+    if raw is None or raw.strip() == "":
+        return Reading("")
+    path = os.path.expanduser(raw)
+    if not os.path.isfile(os.path.join(path, "index.json")):
+        return Reading(
+            path, f"{ENV_PATCHES_DIR}={raw!r} has no index.json: `patch` will fail with it"
+        )
+    return Reading(path)
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: str
+    """The default as an operator would write it ("" for unset)."""
+    values: str
+    """What the setting accepts, in a few words."""
+    meaning: str
+    read: Callable[[Mapping[str, str]], Reading]
+
+
+def _choice_reader(
+    reader: Callable[[Mapping[str, str] | None], Setting[Any]],
+) -> Callable[[Mapping[str, str]], Reading]:
+    def read(environ: Mapping[str, str]) -> Reading:
+        setting = reader(environ)
+        return Reading(setting.value.value, setting.problem)
+
+    return read
+
+
+def _float_reader(
+    reader: Callable[[Mapping[str, str] | None], FloatSetting],
+) -> Callable[[Mapping[str, str]], Reading]:
+    def read(environ: Mapping[str, str]) -> Reading:
+        setting = reader(environ)
+        return Reading(setting.value, setting.problem)
+
+    return read
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        ENV_MODE,
+        DEFAULT_MODE.value,
+        "on | warn | off",
+        "on: patch the multimodal caches; warn: patch nothing, warn when exposed; off: nothing",
+        _choice_reader(read_mode),
+    ),
+    SettingSpec(
+        ENV_DRIFT,
+        DEFAULT_DRIFT.value,
+        "on | recover | off",
+        "the API server's sender-cache guard: undo rejected requests and recover, "
+        "recover only, or off",
+        _choice_reader(read_drift_mode),
+    ),
+    SettingSpec(
+        ENV_HEALTH_TIMEOUT,
+        f"{DEFAULT_HEALTH_TIMEOUT:g}",
+        "seconds >= 0",
+        "/health fails when an EngineCore has not answered for this long; 0: off",
+        _float_reader(read_health_timeout),
+    ),
+    SettingSpec(
+        ENV_STALL_SECONDS,
+        f"{DEFAULT_STALL_SECONDS:g}",
+        "seconds >= 0",
+        "the stall sentinel reports a thread stuck burning a core this long; 0: off",
+        _float_reader(read_stall_seconds),
+    ),
+    SettingSpec(
+        ENV_FAIL_AT,
+        "",
+        "place names, comma-separated, or *",
+        "fault injection for tests: the named places of the plugin fail on purpose",
+        _read_fail_at,
+    ),
+    SettingSpec(
+        ENV_PATCHES_DIR,
+        "",
+        "a directory",
+        "where `vllm-mmcache-fix patch` finds index.json and the diffs",
+        _read_patches_dir,
+    ),
+)
+"""Every ``MMCACHE_FIX_*`` setting: ``check`` reports and validates each row. A new setting
+gets a row here (``tests/unit/test_settings_table.py`` fails until it has one)."""
+
+
+def setting_names() -> list[str]:
+    """Every ``ENV_*`` name this module defines, with or without a row in :data:`SETTINGS`."""
+    return sorted(
+        value
+        for key, value in globals().items()
+        if key.startswith("ENV_") and key != "ENV_PREFIX" and isinstance(value, str)
+    )
+
+
+@dataclass(frozen=True)
+class SettingReport:
+    name: str
+    raw: str | None
+    """The environment's value, None when unset."""
+    effective: object
+    """The value the plugin uses (the default when unset or bad)."""
+    default: str
+    values: str
+    problem: str | None
+    known: bool = True
+
+
+def report_settings(environ: Mapping[str, str] | None = None) -> list[SettingReport]:
+    """Every setting (known, or ``MMCACHE_FIX_*`` in the environment) with its effective
+    value and the problem with it, if any. An unknown ``MMCACHE_FIX_*`` name is reported:
+    a typo would otherwise be ignored silently."""
+    env = os.environ if environ is None else environ
+    rows: list[SettingReport] = []
+    for spec in SETTINGS:
+        raw = env.get(spec.name)
+        try:
+            reading = spec.read(env)
+        except Exception as exc:  # a reader must never break the report
+            reading = Reading(None, f"{spec.name}={raw!r} could not be read: {exc!r}")
+        rows.append(
+            SettingReport(spec.name, raw, reading.value, spec.default, spec.values, reading.problem)
+        )
+    listed = {spec.name for spec in SETTINGS}
+    for name in setting_names():
+        if name not in listed:
+            # A setting defined above without a row yet: reported, not validated.
+            rows.append(SettingReport(name, env.get(name), env.get(name), "", "", None))
+    known = {row.name for row in rows}
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            rows.append(
+                SettingReport(
+                    name,
+                    env[name],
+                    None,
+                    "",
+                    "",
+                    f"{name} is not a setting of vllm-mmcache-fix; it has no effect",
+                    known=False,
+                )
+            )
+    return rows

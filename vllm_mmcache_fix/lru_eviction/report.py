@@ -5,6 +5,7 @@ Computes messages only; the fix decides when to log them.
 
 from __future__ import annotations
 
+from .. import __version__
 from ..core.messages import ACTIVE, NOT_PROTECTED
 from ..core.process import process_label, vllm_version
 from .probe import Exposure
@@ -29,7 +30,8 @@ def active_line(target: str, layout: str, exposure: Exposure | None) -> str:
             )
         )
     return (
-        f"{ACTIVE} {process_label()}, vLLM {vllm_version()}: {target} "
+        f"{ACTIVE} {process_label()}, vLLM {vllm_version()}, vllm-mmcache-fix {__version__}: "
+        f"{target} "
         f"[{layout}] now builds caches whose touch/popitem/clear cannot stall{bug}"
     )
 

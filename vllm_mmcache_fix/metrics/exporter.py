@@ -165,6 +165,10 @@ class Exporter:
                     spec.name, spec.help, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
                 )
         self.metrics = made
+        from .. import __version__
+        from ..core.process import vllm_version
+
+        made[n.BUILD_INFO].labels(version=__version__, vllm_version=vllm_version()).set(1)
 
     def stop(self) -> None:
         self._stop.set()

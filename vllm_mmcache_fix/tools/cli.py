@@ -1,7 +1,13 @@
-"""Command line: ``vllm-mmcache-fix check | diagnose | patch``.
+"""Command line: ``vllm-mmcache-fix check | status | diagnose | patch``.
 
-The only module of the package that prints; ``check``, ``diagnose`` and
-``source_patch`` compute and return values.
+The only module of the package that prints; ``check``, ``status``, ``diagnose`` and
+``source_patch`` compute and return values. One convention for all of them:
+
+- exit codes from one table (``exits.py``; 2 is a usage error and nothing else);
+- ``--json`` prints one JSON object on stdout, errors included, with ``schema_version``,
+  ``tool_version``, ``command``, ``verdict`` and ``exit_code``;
+- verdicts are lower-case names (``protected``, ``spinning_in_mm_cache``);
+- nothing is written unless the command says so (``patch apply``, ``patch revert``).
 """
 
 from __future__ import annotations
@@ -12,32 +18,43 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
+from .. import __version__
 from ..core.messages import PREFIX
+from . import exits
 
-EXIT_USAGE = 2
+COMMANDS = ("check", "status", "diagnose", "patch")
 
 
-def _print_check(report: object, as_json: bool) -> None:
-    from .check import CheckReport
+def _print_json(data: dict[str, Any]) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
 
-    assert isinstance(report, CheckReport)
+
+def _error(command: str, message: str, as_json: bool, **extra: Any) -> int:
+    """An error of the command itself (exit 1), as text on stderr or as JSON on stdout."""
     if as_json:
-        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return
-    if report.vllm_version is None:
-        _print_filtered(report.filtered_out)
-        for problem in report.problems:
-            print(f"problem: {problem}")
-        for remedy in report.remedies:
-            print(f"remedy: {remedy}")
-        print(f"verdict: {report.verdict.value.upper()} - {report.summary}")
-        return
-    rows = [
-        ("vLLM", f"{report.vllm_version or '-'} ({report.vllm_location or '-'})"),
-        ("vllm-ascend", report.vllm_ascend_version or "not installed"),
-        ("cachetools", report.cachetools_version or "-"),
-    ]
+        _print_json(exits.envelope(command, "error", {"error": message, **extra}))
+    else:
+        print(f"{PREFIX}{command}: error: {message}", file=sys.stderr)
+    return exits.ERROR.code
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _print_check(report: Any) -> None:
+    rows = [("vllm-mmcache-fix", _plugin_text(report))]
+    if report.vllm_import_error:
+        rows.append(("vLLM", f"{report.vllm_version or '?'} ({report.vllm_location or '-'})"))
+        rows.append(("import vllm", f"FAILS: {report.vllm_import_error}"))
+    elif report.vllm_version is not None:
+        rows.append(("vLLM", f"{report.vllm_version} ({report.vllm_location or '-'})"))
+    else:
+        rows.append(("vLLM", "not installed"))
+    rows.append(("vllm-ascend", report.vllm_ascend_version or "not installed"))
+    if report.cachetools_version:
+        rows.append(("cachetools", report.cachetools_version))
     if report.exposure:
         rows.append(
             (
@@ -46,20 +63,26 @@ def _print_check(report: object, as_json: bool) -> None:
                 f"eviction stalls on a ghost: {_yn(report.exposure['eviction_stalls_on_ghost'])}",
             )
         )
-    rows += [
-        ("plugin entry point", "found" if report.entry_point_found else "NOT found"),
+    rows.append(
         (
             "VLLM_PLUGINS",
             f"{'unset' if report.vllm_plugins is None else repr(report.vllm_plugins)} -> "
             f"mmcache_fix {'loads' if report.plugin_allowed else 'does NOT load'}",
-        ),
-    ]
+        )
+    )
     if report.ascend_allowed is not None:
         rows.append(("ascend platform", "loads" if report.ascend_allowed else "FILTERED OUT"))
-    rows += [
-        ("MMCACHE_FIX_MODE", report.mode),
-        ("patch on this layout", _patch_text(report.patch_works, report.target)),
-    ]
+    for setting in report.settings:
+        value = setting["effective"]
+        text = "unset" if setting["raw"] is None else repr(setting["raw"])
+        if setting["known"]:
+            text += f" -> {value if value != '' else '-'}"
+        if setting["problem"]:
+            text += "  <- BAD"
+        rows.append((setting["name"], text))
+    if report.vllm_version is not None and not report.vllm_import_error:
+        rows.append(("plugin patch", _patch_text(report.patch_works, report.target)))
+        rows.append(("source patch", _source_text(report)))
     rows.append(
         (
             "vLLM plugin entry points",
@@ -70,21 +93,37 @@ def _print_check(report: object, as_json: bool) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    _print_filtered(report.filtered_out)
-    for problem in report.problems:
-        print(f"problem: {problem}")
-    for remedy in report.remedies:
-        print(f"remedy: {remedy}")
-    print(f"verdict: {report.verdict.value.upper()} - {report.summary}")
-
-
-def _print_filtered(filtered: list[dict[str, object]]) -> None:
-    for ep in filtered:
+    for ep in report.filtered_out:
         flag = "  <- vllm-ascend" if ep["vllm_ascend"] else ""
         print(
             f"filtered out: {ep['group']} {ep['name']} = {ep['value']} "
             f"(distribution {ep['distribution']}){flag}"
         )
+    for line in report.vllm_import_traceback:
+        print(f"  | {line}")
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    for finding in report.findings:
+        print(f"cause: {finding.cause.value}: {finding.detail}")
+        print(f"remedy: {finding.remedy}")
+    if not report.findings and report.remedy:
+        print(f"remedy: {report.remedy}")
+    print(f"verdict: {report.verdict.value} (exit {report.exit_code}) - {report.summary}")
+
+
+def _plugin_text(report: Any) -> str:
+    if report.plugin_version is None:
+        return f"{report.tool_version} (this check); not installed for vLLM to load"
+    if report.plugin_version == report.tool_version:
+        return f"{report.tool_version} (installed, entry point found)"
+    return f"{report.tool_version} (this check); vLLM would load {report.plugin_version}"
+
+
+def _source_text(report: Any) -> str:
+    state = (report.source_patch or {}).get("state")
+    if report.source_patched:
+        return f"applied ({(report.source_patch or {}).get('patch_file') or 'fixed class found'})"
+    return state or "not applied"
 
 
 def _yn(value: object) -> str:
@@ -103,40 +142,106 @@ def cmd_check(args: argparse.Namespace) -> int:
     # vLLM logs to stdout; keep stdout for the report (and valid --json).
     with contextlib.redirect_stdout(sys.stderr):
         report = run_check()
-    _print_check(report, args.json)
+    if args.json:
+        _print_json(exits.envelope("check", report.verdict.value, report.as_dict()))
+    else:
+        _print_check(report)
     return report.exit_code
+
+
+# --------------------------------------------------------------------------- status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import read_status
+
+    report = read_status(args.url, timeout=args.timeout, stuck_after=args.stuck_after)
+    if args.json:
+        _print_json(report.as_dict())
+        return report.exit_code
+    print(f"server            {report.url}")
+    if report.plugin_version or report.vllm_version:
+        print(f"vllm-mmcache-fix  {report.plugin_version or '?'} on vLLM {report.vllm_version}")
+    if report.health_status is not None or report.health_error:
+        print(f"/health           {report.health_status or report.health_error}")
+    for kind, count in sorted(report.protected.items()):
+        print(f"protected         {kind}: {count:g}")
+    for engine, data in sorted(report.engines.items()):
+        parts = [f"failed round trips {data['round_trips_failed_after']:g}"]
+        if data["last_answer_age_s"] is not None:
+            parts.append(f"last answer {data['last_answer_age_s']:.1f} s ago")
+        print(f"engine            {engine}: {', '.join(parts)}")
+    for name, value in sorted(report.counters.items()):
+        print(f"{name}  {value:g}")
+    if report.remedy:
+        print(f"remedy: {report.remedy}")
+    print(f"verdict: {report.verdict.value} (exit {report.exit_code}) - {report.summary}")
+    return report.exit_code
+
+
+# --------------------------------------------------------------------------- patch
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
     from . import source_patch as sp
 
+    action = args.action
     try:
-        if args.check:
+        if action == "check":
             outcome = sp.inspect_tree(
-                args.root, patches_dir=args.patches_dir, version=args.vllm_version
-            )
-        elif args.revert:
-            outcome = sp.revert(
-                args.root, patches_dir=args.patches_dir, version=args.vllm_version, tool=args.tool
+                args.root,
+                patches_dir=args.patches_dir,
+                version=args.vllm_version,
+                plugin_protects=_plugin_protects(args.root),
             )
         else:
-            outcome = sp.apply(
-                args.root, patches_dir=args.patches_dir, version=args.vllm_version, tool=args.tool
+            change = sp.revert if action == "revert" else sp.apply
+            outcome = change(
+                args.root,
+                patches_dir=args.patches_dir,
+                version=args.vllm_version,
+                tool=args.tool,
+                follow_symlinks=args.follow_symlinks,
             )
     except (OSError, ValueError, KeyError) as exc:
-        outcome = sp.Outcome(sp.EXIT_ERROR, f"{type(exc).__name__}: {exc}")
+        outcome = sp.Outcome(sp.Verdict.ERROR, f"{type(exc).__name__}: {exc}")
     if args.json:
-        print(json.dumps(outcome.as_dict(), indent=2))
+        _print_json(outcome.as_dict())
     else:
         ok = outcome.exit_code in (sp.EXIT_OK, sp.EXIT_NOT_APPLIED)
         stream = sys.stdout if ok else sys.stderr
         print(f"{PREFIX}{outcome.message}", file=stream)
         for line in outcome.details:
             print(f"  {line}", file=stream)
+        print(f"verdict: {outcome.verdict.value} (exit {outcome.exit_code})", file=stream)
     return outcome.exit_code
 
 
+def _plugin_protects(root: Path | None) -> str | None:
+    """Why the plugin installed next to this Python protects the vLLM at ``root``, from
+    metadata and settings only (``patch`` never imports vLLM); None when it does not, or
+    when ``root`` is another environment's vLLM (this Python's metadata says nothing
+    about that one)."""
+    import os
+
+    from .check import plugin_loads
+    from .source_patch import find_vllm_root
+
+    if root is not None:
+        own = find_vllm_root()
+        if own is None or os.path.abspath(own) != os.path.abspath(root):
+            return None
+    return plugin_loads()
+
+
 def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("check", "apply", "revert"),
+        default="check",
+        help="check (default): report only; apply: patch vLLM's file; revert: undo it",
+    )
     parser.add_argument(
         "--root",
         type=Path,
@@ -144,9 +249,6 @@ def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory containing vllm/ (a site-packages dir or a vLLM checkout); "
         "default: where the installed vllm package is",
     )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="only report; change nothing")
-    mode.add_argument("--revert", action="store_true", help="undo the patch")
     parser.add_argument(
         "--patches-dir", type=Path, default=None, help="directory with index.json and the diffs"
     )
@@ -159,7 +261,16 @@ def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="apply with patch(1) or the built-in applier (auto: patch if installed)",
     )
+    parser.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="when vLLM's file is a symlink (Nix, Bazel), change the file it points to "
+        "(default: refuse)",
+    )
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+
+# --------------------------------------------------------------------------- diagnose
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -168,39 +279,81 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     try:
         result = diagnose.diagnose(args.pid, interval=args.interval, use_py_spy=not args.no_py_spy)
     except diagnose.DiagnoseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return diagnose.EXIT_ERROR
+        return _error("diagnose", str(exc), args.json, pid=args.pid)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+        _print_json(result.as_dict())
     else:
         print(diagnose.render(result))
     return diagnose.exit_code(result)
 
 
+# --------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is exit 2, and with ``--json`` anywhere on the line it is JSON too."""
+
+    json_requested = False
+    command = ""
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_requested:
+            command = _Parser.command
+            _print_json(
+                exits.envelope(
+                    command or "", "usage", {"error": message, "usage": self.format_usage()}
+                )
+            )
+            self.exit(exits.USAGE.code)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vllm-mmcache-fix",
-        description="Check and diagnose the vLLM multimodal cache freeze.",
+        description="Check, watch and diagnose the vLLM multimodal cache freeze. Exit codes "
+        "are one table for every command (README: Exit codes).",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"vllm-mmcache-fix {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     check = sub.add_parser(
         "check",
-        help="is this environment protected? (exit 0 protected/not affected, 1 vulnerable)",
+        help="would a vLLM server started from this environment be protected? (exit 0: protected)",
     )
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
-    diag = sub.add_parser("diagnose", help="is a live vLLM process frozen in the cache?")
+
+    status = sub.add_parser(
+        "status",
+        help="is a running server protected, and is it stuck? (reads its /metrics)",
+    )
+    status.add_argument("--url", required=True, help="the server's base URL, e.g. http://host:8000")
+    status.add_argument(
+        "--timeout", type=float, default=15.0, help="seconds per HTTP request (default 15)"
+    )
+    status.add_argument(
+        "--stuck-after",
+        type=float,
+        default=30.0,
+        help="an engine whose last answer is older than this many seconds is stuck "
+        "(read where the server exports its age; default 30)",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+
+    diag = sub.add_parser("diagnose", help="is a live vLLM process frozen? (reads /proc)")
     diag.add_argument("--pid", type=int, required=True, help="API server or EngineCore PID")
     diag.add_argument("--interval", type=float, default=2.0, help="sampling seconds")
-    diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dump")
+    diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dumps")
     diag.add_argument("--json", action="store_true", help="machine-readable output")
     diag.set_defaults(func=cmd_diagnose)
+
     patch = sub.add_parser(
         "patch",
-        help="apply/check/revert the source patch on the installed vLLM, for images "
-        "where plugins are filtered out",
-        description="Apply the vllm-mmcache-fix source patch to a vLLM tree "
-        "(for images that cannot load vLLM plugins).",
+        help="check, apply or revert the source patch on vLLM's files, for images where "
+        "plugins cannot load (writes only with apply or revert)",
+        description="The vllm-mmcache-fix source patch on a vLLM tree, for images that "
+        "cannot load vLLM plugins. `patch` alone (or `patch check`) changes nothing.",
     )
     add_patch_arguments(patch)
     patch.set_defaults(func=cmd_patch)
@@ -209,9 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_requested = "--json" in argv
+    _Parser.command = next((a for a in argv if a in COMMANDS), "")
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # a bug in the tool: still one answer, still the table's code
+        return _error(
+            args.command, f"{type(exc).__name__}: {exc}", bool(getattr(args, "json", False))
+        )
 
 
 if __name__ == "__main__":

@@ -36,21 +36,28 @@ Rules (thresholds are the module constants below):
 
 A process is, first rule that applies:
 
-``EXITED``
+``exited``
     gone (or a zombie) at the end of the interval.
-``SPINNING_IN_MM_CACHE``
+``spinning_in_mm_cache``
     a spinning thread whose stack is in the mm cache eviction loop.
-``SPINNING_ELSEWHERE``
+``spinning_elsewhere``
     spinning threads, stacks checked, none in the mm cache (or not Python threads).
-``SPINNING``
+``spinning``
     spinning threads whose stacks could not be checked (no py-spy, or it failed): the
     numbers match the mm cache hang's signature, but that is not a confirmation.
-``BLOCKED``
+``blocked``
     a blocked thread.
-``IDLE``
+``engine_input_thread_gone``
+    an EngineCore whose py-spy dump shows its output thread but not its input thread
+    (``process_input_sockets``): up to vLLM 0.13 a failed request ends that thread and the
+    engine, idle, never reads another request.
+``idle``
     all threads together used at most ``IDLE_MAX_CPU_FRACTION`` of one core.
-``ACTIVE``
+``active``
     anything else: working normally as far as the interval shows.
+
+This diagnosis itself, the shells that started it (when it runs inside the server's
+process tree, as ``diagnose --pid 1`` in a container) and its py-spy children are left out.
 
 The whole takes the most severe class among its processes (order of ``SEVERITY``).
 """
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 from .classify import (
     classify_process,
+    input_thread_gone,
     overall,
     stack_in_mm_cache,
     thread_is_blocked,
@@ -87,6 +95,7 @@ __all__ = [
     "diagnose",
     "exit_code",
     "find_py_spy",
+    "input_thread_gone",
     "is_engine_core",
     "overall",
     "parse_py_spy_dump",

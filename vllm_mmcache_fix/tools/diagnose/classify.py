@@ -10,6 +10,8 @@ from .rules import (
     BLOCKED_STATES,
     CACHE_FILE_MARKERS,
     IDLE_MAX_CPU_FRACTION,
+    INPUT_THREAD_FUNCTION,
+    OUTPUT_THREAD_FUNCTION,
     SEVERITY,
     SPIN_MAX_VOLUNTARY_PER_SEC,
     SPIN_MIN_CPU_FRACTION,
@@ -48,12 +50,33 @@ def stack_in_mm_cache(frames: Iterable[tuple[str, str]]) -> bool:
     return bool(names & EVICTION_FRAMES) and bool(names & EVICTION_CALLERS)
 
 
+def input_thread_gone(threads: Sequence[tuple[str | None, Sequence[str]]]) -> bool | None:
+    """From one stack dump of an EngineCore process, ``(thread name, function names)`` per
+    Python thread: True when its output thread runs and its input thread is gone, False when
+    the input thread is there, None when the dump shows neither (not a multiprocess engine)."""
+
+    def runs(function: str) -> bool:
+        return any(
+            (name is not None and function in name)
+            or any(f.rsplit(".", 1)[-1] == function for f in frames)
+            for name, frames in threads
+        )
+
+    if runs(INPUT_THREAD_FUNCTION):
+        return False
+    if runs(OUTPUT_THREAD_FUNCTION):
+        return True
+    return None
+
+
 def classify_process(
     threads: Sequence[ThreadReport],
     cpu_fraction: float,
     stack_checked: bool,
+    input_gone: bool = False,
 ) -> tuple[Classification, str]:
-    """Class and reason of a live process from its thread reports."""
+    """Class and reason of a live process from its thread reports (and, for an EngineCore,
+    whether a stack dump found its input thread gone)."""
     spinning = [t for t in threads if t.spinning]
     if spinning:
         hot = ", ".join(_thread_brief(t) for t in spinning)
@@ -78,6 +101,12 @@ def classify_process(
             for t in blocked
         )
         return C.BLOCKED, f"blocked thread(s): {details}"
+    if input_gone:
+        return C.ENGINE_INPUT_THREAD_GONE, (
+            f"its output thread ({OUTPUT_THREAD_FUNCTION}) runs but its input thread "
+            f"({INPUT_THREAD_FUNCTION}) is gone: it reads no more requests "
+            f"({cpu_fraction:.0%} CPU)"
+        )
     if cpu_fraction <= IDLE_MAX_CPU_FRACTION:
         return C.IDLE, f"all {len(threads)} thread(s) idle, {cpu_fraction:.0%} CPU"
     return C.ACTIVE, f"{cpu_fraction:.0%} CPU, no thread spinning"

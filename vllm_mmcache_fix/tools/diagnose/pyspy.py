@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .classify import stack_in_mm_cache
+from .classify import input_thread_gone, stack_in_mm_cache
 from .results import StackCheck, ThreadReport
 from .rules import PY_SPY_BUDGET, PY_SPY_MAX_DUMPS, PY_SPY_TIMEOUT
 
@@ -153,3 +153,22 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
             if report.in_mm_cache is None:
                 report.in_mm_cache = False
     return check
+
+
+def check_engine_threads(exe: str, pid: int) -> tuple[bool | None, StackCheck]:
+    """One dump of an EngineCore that does not spin: is its input thread still there?
+
+    ``(True, check)`` when the output thread runs without the input thread; ``None`` when
+    the dump failed or shows neither thread."""
+    check = StackCheck(status="failed")
+    for _ in range(2):
+        check.dumps += 1
+        text, error, fatal = _run_py_spy(exe, pid)
+        if text is not None:
+            check.status, check.detail, check.text = "checked", "", text
+            threads = [(d.name, [f for f, _, _ in d.frames]) for d in parse_py_spy_dump(text)]
+            return input_thread_gone(threads), check
+        check.detail = error
+        if fatal:
+            break
+    return None, check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .results import Diagnosis, ProcessReport
+from .rules import INPUT_THREAD_FUNCTION, STATE_SAMPLE_PERIOD
 
 # --------------------------------------------------------------------------- rendering
 
@@ -23,7 +24,26 @@ def render(d: Diagnosis) -> str:
         lines.append("")
     lines.extend(f"note: {note}" for note in d.notes)
     lines.append(f"What to do: {d.remedy}")
+    lines.append("")
+    lines.extend(LEGEND)
     return "\n".join(lines)
+
+
+LEGEND = (
+    "Legend:",
+    "  SPIN     the thread used a core (or waited for one) the whole interval and hardly ever",
+    "           blocked: the signature of a busy loop",
+    "  BLOCKED  the thread was stopped (T, t) or in uninterruptible sleep (D) all along",
+    "  cpu      share of one core it used; runnable: share of the time it ran or waited for a CPU",
+    "  vol      voluntary context switches (it waited for I/O, a lock, a queue); nonvol:",
+    "           involuntary ones (it was preempted)",
+    f"  states   its state every {STATE_SAMPLE_PERIOD:g} s: R running, S sleeping, D disk wait, "
+    "T stopped, Z zombie",
+    "           (R9S2: nine R, then two S)",
+    "  syscall  where the thread waits in the kernel at the end (running: on a CPU)",
+    f"  input thread  EngineCore's request reader ({INPUT_THREAD_FUNCTION}), from a py-spy dump",
+)
+"""What the columns and letters of the report mean (``--json`` has the same fields)."""
 
 
 def _render_process(report: ProcessReport) -> list[str]:
@@ -39,6 +59,8 @@ def _render_process(report: ProcessReport) -> list[str]:
         lines.append(
             f"  CPU {report.cpu_fraction:.0%} of one core, {len(report.threads)} thread(s)"
         )
+    if report.input_thread_gone is not None:
+        lines.append(f"  input thread: {'GONE' if report.input_thread_gone else 'alive'}")
     flagged = [t for t in report.threads if t.spinning or t.blocked]
     rest = [t for t in report.threads if not (t.spinning or t.blocked)]
     shown = flagged + rest[: max(0, _MAX_THREADS_SHOWN - len(flagged))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import exits
 from .rules import (
     BLOCKED_STATES,
     EXIT_CODES,
@@ -107,10 +108,13 @@ class ProcessReport:
     cpu_fraction: float
     threads: list[ThreadReport] = field(default_factory=list)
     stack_check: StackCheck | None = None
+    input_thread_gone: bool | None = None
+    """EngineCore only: its input thread is gone (True), there (False), not checked (None)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "pid": self.pid,
+            "input_thread_gone": self.input_thread_gone,
             "ppid": self.ppid,
             "role": self.role,
             "comm": self.comm,
@@ -135,30 +139,35 @@ class Diagnosis:
     """How stacks were looked at, for humans."""
     processes: list[ProcessReport]
     notes: list[str] = field(default_factory=list)
+    left_out: list[int] = field(default_factory=list)
+    """Descendants of the PID that are this diagnosis itself or the shell that started it."""
 
     @property
     def exit_code(self) -> int:
         return exit_code(self)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "interval": round(self.interval, 3),
-            "classification": self.classification.value,
-            "exit_code": self.exit_code,
-            "summary": self.summary,
-            "remedy": self.remedy,
-            "py_spy": self.py_spy,
-            "notes": list(self.notes),
-            "thresholds": {
-                "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
-                "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
-                "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
-                "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
-                "blocked_states": "".join(sorted(BLOCKED_STATES)),
+        return exits.envelope(
+            "diagnose",
+            self.classification.value,
+            {
+                "pid": self.pid,
+                "interval": round(self.interval, 3),
+                "summary": self.summary,
+                "remedy": self.remedy,
+                "py_spy": self.py_spy,
+                "notes": list(self.notes),
+                "left_out": list(self.left_out),
+                "thresholds": {
+                    "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
+                    "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
+                    "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
+                    "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
+                    "blocked_states": "".join(sorted(BLOCKED_STATES)),
+                },
+                "processes": [p.as_dict() for p in self.processes],
             },
-            "processes": [p.as_dict() for p in self.processes],
-        }
+        )
 
 
 def exit_code(d: Diagnosis) -> int:

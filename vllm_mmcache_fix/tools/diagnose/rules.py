@@ -7,18 +7,22 @@ from enum import Enum
 
 from ...vllm_layout import (
     ENGINE_CORE_PROCESS,
+    ENGINE_INPUT_THREAD,
+    ENGINE_OUTPUT_THREAD,
     STACK_FILE_MARKERS,
 )
+from .. import exits
 
 
 class Classification(str, Enum):
-    SPINNING_IN_MM_CACHE = "SPINNING_IN_MM_CACHE"
-    SPINNING = "SPINNING"
-    SPINNING_ELSEWHERE = "SPINNING_ELSEWHERE"
-    BLOCKED = "BLOCKED"
-    ACTIVE = "ACTIVE"
-    IDLE = "IDLE"
-    EXITED = "EXITED"
+    SPINNING_IN_MM_CACHE = "spinning_in_mm_cache"
+    ENGINE_INPUT_THREAD_GONE = "engine_input_thread_gone"
+    SPINNING = "spinning"
+    SPINNING_ELSEWHERE = "spinning_elsewhere"
+    BLOCKED = "blocked"
+    ACTIVE = "active"
+    IDLE = "idle"
+    EXITED = "exited"
 
     def __str__(self) -> str:
         return self.value
@@ -29,6 +33,7 @@ C = Classification
 # Most severe first; the whole takes the first class any of its processes has.
 SEVERITY: tuple[Classification, ...] = (
     C.SPINNING_IN_MM_CACHE,
+    C.ENGINE_INPUT_THREAD_GONE,
     C.SPINNING,
     C.SPINNING_ELSEWHERE,
     C.BLOCKED,
@@ -37,18 +42,10 @@ SEVERITY: tuple[Classification, ...] = (
     C.EXITED,
 )
 
-# Exit status of ``vllm-mmcache-fix diagnose`` per overall class. EXIT_ERROR is for
-# DiagnoseError; 2 is left to command-line usage errors.
-EXIT_CODES: dict[Classification, int] = {
-    C.IDLE: 0,
-    C.ACTIVE: 0,
-    C.SPINNING_IN_MM_CACHE: 3,
-    C.SPINNING: 4,
-    C.SPINNING_ELSEWHERE: 5,
-    C.BLOCKED: 6,
-    C.EXITED: 7,
-}
-EXIT_ERROR = 1
+# Exit status of ``vllm-mmcache-fix diagnose`` per overall class: the command line's one
+# table (tools/exits.py). EXIT_ERROR is for DiagnoseError.
+EXIT_CODES: dict[Classification, int] = {c: exits.exit_code(c.value) for c in Classification}
+EXIT_ERROR = exits.ERROR.code
 
 SPIN_MIN_CPU_FRACTION = 0.8
 """A spinning thread uses at least this much of one core over the interval."""
@@ -89,6 +86,8 @@ PY_SPY_BUDGET = 20.0
 CACHE_FILE_MARKERS = STACK_FILE_MARKERS
 
 ENGINE_CORE_MARKER = ENGINE_CORE_PROCESS
+INPUT_THREAD_FUNCTION = ENGINE_INPUT_THREAD
+OUTPUT_THREAD_FUNCTION = ENGINE_OUTPUT_THREAD
 # comm is cut to 15 bytes: "VLLM::EngineCore" becomes "VLLM::EngineCor".
 # /proc/<pid>/comm holds 15 characters: "VLLM::EngineCor".
 _ENGINE_CORE_COMM = re.compile(re.escape(ENGINE_CORE_PROCESS[:9]))
@@ -96,16 +95,16 @@ _ENGINE_CORE_COMM = re.compile(re.escape(ENGINE_CORE_PROCESS[:9]))
 REMEDIES: dict[Classification, str] = {
     C.SPINNING_IN_MM_CACHE: (
         "This is the multimodal processor cache eviction hang; the process cannot recover. "
-        "Restart the server. To prevent it: pip install vllm-mmcache-fix next to vLLM (it "
-        "loads as a vLLM plugin), or start vLLM with --mm-processor-cache-gb 0 (no cache). "
-        "See `vllm-mmcache-fix check`."
+        "Restart the server; keep this output and the server log. To prevent it: install "
+        "vllm-mmcache-fix next to vLLM (it loads as a vLLM plugin), or start vLLM with "
+        "--mm-processor-cache-gb 0 (no cache) until you can. See `vllm-mmcache-fix check`."
     ),
     C.SPINNING: (
         "A thread spins without ever blocking: the signature of the multimodal processor "
         "cache eviction hang, but its stack was not checked. To confirm, run again with py-spy "
-        "installed (pip install py-spy) as root or as the server's user. If it is that hang: "
-        "restart the server, and prevent it with pip install vllm-mmcache-fix or "
-        "--mm-processor-cache-gb 0 (see `vllm-mmcache-fix check`)."
+        "installed (pip install py-spy) as root or as the server's user (in a container: "
+        "CAP_SYS_PTRACE). If it is that hang: restart the server, and prevent it with "
+        "vllm-mmcache-fix or --mm-processor-cache-gb 0 (see `vllm-mmcache-fix check`)."
     ),
     C.SPINNING_ELSEWHERE: (
         "A thread spins, but not in the multimodal cache: this is not the hang "
@@ -120,7 +119,17 @@ REMEDIES: dict[Classification, str] = {
     C.ACTIVE: "The processes are working; nothing stuck was seen in this interval.",
     C.IDLE: (
         "The processes are idle. If clients are waiting, their requests are not reaching "
-        "these processes."
+        "these processes. On vLLM 0.13 and older an EngineCore whose input thread died after "
+        "a failed request looks exactly like this: run again with py-spy installed to tell "
+        "(the verdict is then engine_input_thread_gone); either way, restart the server."
+    ),
+    C.ENGINE_INPUT_THREAD_GONE: (
+        "EngineCore's input thread has died, so EngineCore never reads another request: "
+        "every request waits forever while the server looks idle and /health may still say "
+        "200. It does not recover: restart the server. Keep the server log (the input "
+        "thread's traceback is in it). On vLLM 0.13 and older a multimodal request that "
+        "fails EngineCore's cache lookup (`Expected a cached item`) ends the thread; "
+        "vllm-mmcache-fix's drift guard prevents that (see `vllm-mmcache-fix check`)."
     ),
     C.EXITED: (
         "The process exited during the sample. If it was the server or its EngineCore, "

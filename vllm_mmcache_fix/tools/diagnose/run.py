@@ -19,7 +19,7 @@ from .procfs import (
     is_engine_core,
     process_tree,
 )
-from .pyspy import check_stacks, find_py_spy
+from .pyspy import check_engine_threads, check_stacks, find_py_spy
 from .results import Diagnosis, ProcessReport, StackCheck, ThreadReport
 from .rules import MIN_INTERVAL, REMEDIES, STATE_SAMPLE_PERIOD, C, Classification, DiagnoseError
 
@@ -48,7 +48,7 @@ def diagnose(
     if not (proc / str(pid)).is_dir():
         raise DiagnoseError(f"no process with PID {pid}")
 
-    first = _first_samples(proc, pid)
+    first, left_out = _first_samples(proc, pid, _own_processes(proc, pid))
     started = min(sample.time for sample, _ in first.values())
     states = _watch_states(proc, first, started + interval)
     reports = [
@@ -57,11 +57,12 @@ def diagnose(
     ]
     wall = time.monotonic() - started
     py_spy = _check_hot_stacks(reports, use_py_spy, proc)
+    _check_engine_threads(reports, use_py_spy, proc)
     for report in reports:
         if report.classification is not C.EXITED:
             checked = report.stack_check is not None and report.stack_check.status == "checked"
             report.classification, report.reason = classify_process(
-                report.threads, report.cpu_fraction, checked
+                report.threads, report.cpu_fraction, checked, bool(report.input_thread_gone)
             )
 
     notes = [
@@ -71,6 +72,11 @@ def diagnose(
     ]
     if not any(r.role == "EngineCore" for r in reports):
         notes.append(f"no EngineCore process among PID {pid} and its descendants")
+    if left_out:
+        notes.append(
+            f"left out PID {', '.join(map(str, sorted(left_out)))}: this diagnosis and the "
+            "processes that started it"
+        )
     whole = overall(r.classification for r in reports)
     return Diagnosis(
         pid=pid,
@@ -81,6 +87,7 @@ def diagnose(
         py_spy=py_spy,
         processes=reports,
         notes=notes,
+        left_out=sorted(left_out),
     )
 
 
@@ -91,9 +98,39 @@ class _Meta:
     cmdline: str
 
 
-def _first_samples(proc: Path, pid: int) -> dict[int, tuple[_ProcessSample, _Meta]]:
+def _own_processes(proc: Path, pid: int) -> set[int]:
+    """This process and its ancestors below ``pid``: run from a shell inside the server's
+    container (``diagnose --pid 1``), they are descendants of ``pid`` but not vLLM's."""
+    if proc.resolve() != Path("/proc"):
+        return set()  # another namespace's PIDs: ours are not among them
+    own: set[int] = set()
+    current = os.getpid()
+    for _ in range(64):  # bounded: a broken chain cannot loop forever
+        if current in (pid, 0, 1):
+            break
+        own.add(current)
+        try:
+            current = _read_stat(proc / str(current) / "stat").ppid
+        except (_Gone, DiagnoseError):
+            break
+    else:
+        return own
+    return own if current == pid else {os.getpid()}
+
+
+def _first_samples(
+    proc: Path, pid: int, own: set[int]
+) -> tuple[dict[int, tuple[_ProcessSample, _Meta]], set[int]]:
+    """The first sample of every process of the tree but ``own`` (this process and the
+    shells that started it) and this process's children (py-spy), and the members left
+    out. Other children of those shells stay: one of them may be the server."""
     first: dict[int, tuple[_ProcessSample, _Meta]] = {}
-    for member in process_tree(pid, proc_root=proc):
+    tree = process_tree(pid, proc_root=proc)
+    me = {os.getpid()}
+    left_out = {m for m in tree if m != pid and (m in own or _descends_from(proc, m, me, pid))}
+    for member in tree:
+        if member in left_out:
+            continue
         try:
             stat = _read_stat(proc / str(member) / "stat")
             sample = _sample_process(proc, member, full=True)
@@ -102,7 +139,22 @@ def _first_samples(proc: Path, pid: int) -> dict[int, tuple[_ProcessSample, _Met
                 raise DiagnoseError(f"no process with PID {pid}") from None
             continue  # a descendant that just ended
         first[member] = (sample, _Meta(stat.ppid, stat.comm, _cmdline(proc, member)))
-    return first
+    return first, left_out
+
+
+def _descends_from(proc: Path, pid: int, ancestors: set[int], stop: int) -> bool:
+    """``pid`` has one of ``ancestors`` on its way up to ``stop`` (the diagnosed PID)."""
+    current = pid
+    for _ in range(64):
+        if current in ancestors:
+            return True
+        if current in (stop, 0, 1):
+            return False
+        try:
+            current = _read_stat(proc / str(current) / "stat").ppid
+        except (_Gone, DiagnoseError):
+            return False
+    return False
 
 
 def _watch_states(
@@ -230,6 +282,27 @@ def _check_hot_stacks(reports: Sequence[ProcessReport], use_py_spy: bool, proc: 
     return f"{exe} dump --nonblocking" + (
         f" (failed for PID {', '.join(failed)})" if failed else ""
     )
+
+
+def _check_engine_threads(reports: Sequence[ProcessReport], use_py_spy: bool, proc: Path) -> None:
+    """One dump of each EngineCore that does not spin: is its input thread still alive?"""
+    engines = [
+        r
+        for r in reports
+        if r.role == "EngineCore"
+        and r.classification is not C.EXITED
+        and not any(t.spinning for t in r.threads)
+    ]
+    if not engines or not use_py_spy or proc.resolve() != Path("/proc"):
+        return
+    exe = find_py_spy()
+    if exe is None:
+        return
+    for report in engines:
+        gone, check = check_engine_threads(exe, report.pid)
+        report.input_thread_gone = gone
+        if report.stack_check is None:
+            report.stack_check = check
 
 
 def _summary(whole: Classification, reports: Sequence[ProcessReport]) -> str:

@@ -5,9 +5,9 @@ way, and ``patches/index.json`` says which releases each diff covers, which file
 changes, and the sha256 of that file before and after the patch for every release. This
 module finds a vLLM tree without importing vLLM, reads its version, checks that the target
 file is exactly the released one, and applies or reverts the diff with ``patch -p1``
-(dry run first). Where no ``patch`` program exists the same diff is applied in Python;
-either way the result must hash to the recorded patched file, or the original bytes are
-put back.
+into a scratch directory. Where no ``patch`` program exists the same diff is applied in
+Python; either way the result must hash to the recorded file before it replaces the target
+(one lock, a synced file, an atomic rename: ``operation.py``).
 
 Computing is kept apart from printing: :func:`inspect_tree`, :func:`apply` and
 :func:`revert` return an :class:`Outcome`; ``vllm-mmcache-fix patch`` (tools/cli.py)
@@ -33,6 +33,7 @@ from .outcome import (
     SCHEMA_VERSION,
     PatchError,
     State,
+    Verdict,
 )
 from .tree import find_vllm_root, is_final_release, read_vllm_version, release_of, sha256_file
 
@@ -53,6 +54,7 @@ __all__ = [
     "PatchError",
     "PatchIndex",
     "State",
+    "Verdict",
     "apply",
     "apply_unified_diff",
     "default_patches_dir",

@@ -1,30 +1,48 @@
-"""Exit codes and states of a source-patch operation."""
+"""Verdicts, exit codes and states of a source-patch operation."""
 
 from __future__ import annotations
 
 import enum
 
-SCHEMA_VERSION = 1
-INDEX_NAME = "index.json"
-PATCHES_ENV = "MMCACHE_FIX_PATCHES_DIR"
+from ...core.settings import ENV_PATCHES_DIR
+from .. import exits
 
-# Exit codes of the command line tool.
-EXIT_OK = 0
-"""Applied, reverted, already in the requested state, or (``--check``) already applied."""
-EXIT_ERROR = 1
+SCHEMA_VERSION = 1
+"""Version of ``patches/index.json`` (the ``--json`` output's is ``exits.JSON_SCHEMA_VERSION``)."""
+INDEX_NAME = "index.json"
+PATCHES_ENV = ENV_PATCHES_DIR
+
+# Exit codes of ``vllm-mmcache-fix patch``: the command line's one table (tools/exits.py).
+EXIT_OK = exits.OK.code
+"""Applied, reverted, already in the requested state, or not needed."""
+EXIT_ERROR = exits.ERROR.code
 """Unexpected failure: no patches directory, unreadable file, ``patch`` crashed."""
-EXIT_USAGE = 2
+EXIT_USAGE = exits.USAGE.code
 """Bad command line (argparse)."""
-EXIT_NOT_APPLIED = 3
-"""``--check`` only: the tree is unpatched and the patch would apply."""
-EXIT_NO_VLLM = 4
+EXIT_NOT_APPLIED = exits.UNPROTECTED.code
+"""``patch check``: the tree is unpatched and the plugin does not protect it."""
+EXIT_NO_VLLM = exits.NO_VLLM.code
 """No vLLM tree at the given root, or its version cannot be read."""
-EXIT_UNSUPPORTED = 5
+EXIT_UNSUPPORTED = exits.PATCH_REFUSED.code
 """The vLLM version has no patch and its target file matches no known release."""
-EXIT_MISMATCH = 6
-"""The target file is neither the released original nor the patched file."""
-EXIT_PATCH_FAILED = 7
-"""The dry run or the patch itself failed; the tree was left (or put back) unchanged."""
+EXIT_MISMATCH = exits.PATCH_REFUSED.code
+"""The target file is neither the released original nor the patched file (or a symlink)."""
+EXIT_PATCH_FAILED = exits.PATCH_FAILED.code
+"""The patch itself failed; the tree was left unchanged."""
+
+
+class Verdict(str, enum.Enum):
+    APPLIED = "applied"
+    """``check``: the fix is in the file; ``apply``: done now or before."""
+    REVERTED = "reverted"
+    NOT_NEEDED = "not_needed"
+    """``check``: the file is unpatched, but the installed plugin protects this vLLM."""
+    UNPATCHED = "unpatched"
+    """``check``: the file is unpatched and nothing else protects this vLLM."""
+    NO_VLLM = "no_vllm"
+    PATCH_REFUSED = "patch_refused"
+    PATCH_FAILED = "patch_failed"
+    ERROR = "error"
 
 
 class State(enum.Enum):

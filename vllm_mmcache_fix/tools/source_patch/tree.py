@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -12,16 +13,20 @@ from pathlib import Path
 
 
 def find_vllm_root() -> Path | None:
-    """The directory that contains the importable ``vllm`` package, without importing it."""
+    """The directory that contains the importable ``vllm`` package, without importing it.
+
+    The path as Python imports it, symlinks kept: in a tree of symlinks (Bazel runfiles, a
+    Nix profile) the tree is the root, and a target file that is a link into a store is
+    then seen as one (and refused unless followed on purpose)."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
         spec = None
     if spec is not None:
         if spec.origin and spec.origin not in ("namespace", "built-in"):
-            return Path(spec.origin).resolve().parent.parent
+            return Path(os.path.abspath(spec.origin)).parent.parent
         for location in spec.submodule_search_locations or ():
-            return Path(location).resolve().parent
+            return Path(os.path.abspath(location)).parent
     try:
         located = importlib.metadata.distribution("vllm").locate_file("vllm")
     except importlib.metadata.PackageNotFoundError:

@@ -1,0 +1,215 @@
+"""``vllm-mmcache-fix status --url`` against a small HTTP server whose ``/metrics`` is what the
+plugin's exporter (``metrics/exporter.py``) puts on prometheus_client's registry, as on a
+vLLM server, and whose ``/health`` answers as the test says.
+
+On a real vLLM server: ``tests/e2e/test_e2e_health.py`` (protected, and stuck).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import vllm_mmcache_fix
+from harness.http import free_port
+from harness.paths import REPO_ROOT
+from vllm_mmcache_fix.metrics import names as n
+from vllm_mmcache_fix.metrics.exporter import Exporter
+from vllm_mmcache_fix.tools import exits
+from vllm_mmcache_fix.tools.status import _parse_plain, parse_metrics, read_status
+
+prom = pytest.importorskip("prometheus_client")
+
+COUNTS = {"protected": 1, "ghost_keys_dropped": 0, "stalls": 0}
+VLLM_ONLY = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+
+
+class Server:
+    """``/metrics`` from a callable, ``/health`` from another (status code, delay)."""
+
+    def __init__(self) -> None:
+        self.metrics: Callable[[], str] = lambda: prom.generate_latest(prom.REGISTRY).decode()
+        self.health: Callable[[], tuple[int, float]] = lambda: (200, 0.0)
+        self.health_calls = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/metrics":
+                    code, body = 200, outer.metrics()
+                elif self.path == "/health":
+                    outer.health_calls += 1
+                    code, delay = outer.health()
+                    time.sleep(delay)
+                    body = ""
+                else:
+                    code, body = 404, ""
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def exporter() -> Iterator[Callable[..., Exporter]]:
+    made: list[Exporter] = []
+
+    def make(local=COUNTS, engines=({"protected": 1},), ages=lambda: None) -> Exporter:
+        exp = Exporter(lambda: local, lambda: list(engines), lambda exc: None, ages)
+        exp.start()
+        exp.observe_round_trip("EngineCore", 0.003)
+        made.append(exp)
+        return exp
+
+    yield make
+    for exp in made:
+        exp.unregister()
+
+
+def test_a_protected_server(server: Server, exporter) -> None:
+    exporter()
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == "protected", report.summary
+    assert report.exit_code == 0
+    assert report.plugin_version == vllm_mmcache_fix.__version__
+    assert report.protected == {"api_server": 1.0, "engine_core": 1.0}
+    assert report.engines["EngineCore"]["round_trips_failed_after"] == 0
+    assert server.health_calls == 1
+
+
+def test_failing_round_trips_mean_stuck(server: Server, exporter) -> None:
+    exp = exporter()
+
+    def health() -> tuple[int, float]:
+        exp.round_trip_failed("EngineCore")  # what the plugin does when the engine is silent
+        return 503, 0.0
+
+    server.health = health
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == "stuck" and report.exit_code == exits.STUCK.code
+    assert any("EngineCore: 1 /health round trip(s) failed" in e for e in report.evidence)
+    assert any("/health answered 503" in e for e in report.evidence)
+    assert "restart" in (report.remedy or "")
+
+
+def test_a_failure_long_ago_is_not_stuck(server: Server, exporter) -> None:
+    """The failure counter is cumulative: an engine that failed once, an hour ago, and
+    answers now is not stuck."""
+    exp = exporter()
+    exp.round_trip_failed("EngineCore")
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == "protected", report.summary
+    assert report.engines["EngineCore"]["round_trips_failed_after"] == 1
+
+
+def test_health_that_does_not_answer_means_stuck(server: Server, exporter) -> None:
+    exporter()
+    server.health = lambda: (200, 3.0)
+    report = read_status(server.url, timeout=1.0, settle=0.1)
+    assert report.verdict.value == "stuck"
+    assert report.health_status is None and "did not answer in 1 s" in report.evidence[0]
+
+
+@pytest.mark.parametrize(
+    ("ages", "verdict"),
+    [((5.0, 6.0), "protected"), ((40.0, 42.0), "stuck"), ((40.0, 40.0), "protected")],
+)
+def test_the_engine_answer_age_where_the_server_has_it(
+    server: Server, exporter, ages: tuple[float, float], verdict: str
+) -> None:
+    reads = iter(ages)
+    now: dict[str, float] = {}
+    exp = exporter(ages=lambda: now)
+
+    def metrics() -> str:
+        # The plugin's own exporter, synced with the next age at each scrape.
+        now["EngineCore_DP0"] = next(reads)
+        exp.sync()
+        return prom.generate_latest(prom.REGISTRY).decode()
+
+    server.metrics = metrics
+    report = read_status(server.url, settle=0.1, stuck_after=30.0)
+    assert report.verdict.value == verdict, report.as_dict()
+    assert report.engines["EngineCore_DP0"]["last_answer_age_s"] == ages[1]
+
+
+def test_warn_mode_is_inactive(server: Server, exporter) -> None:
+    exporter(local={**COUNTS, "protected": 0}, engines=({"protected": 0},))
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == "inactive" and report.exit_code == exits.INACTIVE.code
+
+
+def test_no_plugin_series_is_unprotected(server: Server) -> None:
+    server.metrics = lambda: VLLM_ONLY
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == "unprotected" and report.exit_code == exits.UNPROTECTED.code
+    assert "vllm-mmcache-fix check" in (report.remedy or "")
+
+
+def test_nothing_listening_is_unreachable() -> None:
+    report = read_status(f"http://127.0.0.1:{free_port()}", timeout=2.0, settle=0.1)
+    assert report.verdict.value == "unreachable" and report.exit_code == exits.UNREACHABLE.code
+
+
+def test_the_plain_reader_matches_prometheus_client(exporter) -> None:
+    """Without prometheus_client (a debug container) the same samples are read."""
+    exp = exporter()
+    exp.round_trip_failed('Engine "quoted"')
+    text = prom.generate_latest(prom.REGISTRY).decode()
+    assert _parse_plain(text) == parse_metrics(text)
+    assert any(name == n.BUILD_INFO for name, _ in parse_metrics(text))
+
+
+def test_the_command_line(server: Server, exporter) -> None:
+    exporter()
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "status", "--url", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    data = json.loads(done.stdout)
+    assert done.returncode == 0 == data["exit_code"], done.stdout + done.stderr
+    assert data["verdict"] == "protected" and data["command"] == "status"
+    text = subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "status", "--url", server.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert text.stdout.splitlines()[-1].startswith("verdict: protected (exit 0)"), text.stdout

@@ -1,0 +1,301 @@
+"""``vllm-mmcache-fix status --url``: is a running server protected, and is it stuck?
+
+Reads the server's own ``/metrics`` (the plugin's series, ``metrics/names.py``), asks
+``/health`` once and reads ``/metrics`` again a little later, then answers:
+
+- ``unreachable``: ``/metrics`` could not be read;
+- ``stuck``: an EngineCore does not answer. The evidence, any one of: ``/health`` answered
+  503 or did not answer in ``timeout`` seconds while ``/metrics`` did; the plugin's
+  ``mmcache_fix_engine_round_trips_failed_total`` rose for an engine between the two reads
+  (its ``/health`` round trip timed out); ``mmcache_fix_engine_last_answer_age_seconds``,
+  where the server has it, above ``stuck_after`` seconds and still growing;
+- ``unprotected``: no ``mmcache_fix_*`` series at all: the API server did not load the
+  plugin (not installed, left out by ``VLLM_PLUGINS``, ``MMCACHE_FIX_MODE=off``);
+- ``inactive``: the plugin is loaded but no process is protected (``MMCACHE_FIX_MODE=warn``)
+  or EngineCore reports itself unprotected;
+- ``protected``: otherwise.
+
+A busy server is not stuck: a long step delays the round trip but does not fail it. Reads
+only; nothing on the server changes (``/health`` is what load balancers call anyway).
+Imports neither vLLM nor anything the wheel does not ship: it runs from a debug container.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics import names as n
+from . import exits
+
+DEFAULT_TIMEOUT_S = 15.0
+"""Per request; above the plugin's default engine timeout (10 s), so a ``/health`` that
+waits for a stuck engine answers 503 before this gives up."""
+DEFAULT_STUCK_AFTER_S = 30.0
+"""An engine whose last answer is older than this (and getting older) is stuck."""
+SETTLE_S = 1.5
+"""Between ``/health`` and the second read: the plugin syncs its metrics once a second."""
+
+
+class Verdict(str, enum.Enum):
+    PROTECTED = "protected"
+    UNPROTECTED = "unprotected"
+    INACTIVE = "inactive"
+    STUCK = "stuck"
+    UNREACHABLE = "unreachable"
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""``{(name, sorted labels): value}``"""
+
+
+@dataclass
+class StatusReport:
+    url: str
+    verdict: Verdict
+    summary: str
+    remedy: str | None = None
+    plugin_version: str | None = None
+    vllm_version: str | None = None
+    health_status: int | None = None
+    """``/health``'s HTTP status; None when it did not answer."""
+    health_error: str | None = None
+    protected: dict[str, float] = field(default_factory=dict)
+    """``mmcache_fix_protected_processes`` by ``kind``."""
+    engines: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """Per engine: failed round trips before and after, last answer age."""
+    evidence: list[str] = field(default_factory=list)
+    """Why the verdict is ``stuck`` (one sentence each)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """The plugin's other counters, summed over labels (repairs, drift, stalls, errors)."""
+
+    @property
+    def exit_code(self) -> int:
+        return exits.exit_code(self.verdict.value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return exits.envelope(
+            "status",
+            self.verdict.value,
+            {
+                "url": self.url,
+                "summary": self.summary,
+                "remedy": self.remedy,
+                "plugin_version": self.plugin_version,
+                "vllm_version": self.vllm_version,
+                "health_status": self.health_status,
+                "health_error": self.health_error,
+                "protected": dict(self.protected),
+                "engines": dict(self.engines),
+                "evidence": list(self.evidence),
+                "counters": dict(self.counters),
+            },
+        )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def parse_metrics(text: str) -> Samples:
+    """The ``mmcache_fix_*`` samples of a Prometheus text exposition.
+
+    prometheus_client's parser when it is installed (it comes with vLLM); otherwise a
+    reader of the plain ``name{labels} value`` lines, because this command must also run
+    from a debug container that has only this package."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return _parse_plain(text)
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(n.PREFIX):
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _parse_plain(text: str) -> Samples:
+    out: Samples = {}
+    for line in text.splitlines():
+        if not line.startswith(n.PREFIX):
+            continue
+        match = _LINE.match(line.strip())
+        if match is None:
+            continue
+        labels = tuple(sorted((k, _unescape(v)) for k, v in _LABEL.findall(match.group(2) or "")))
+        try:
+            out[(match.group(1), labels)] = float(match.group(3))
+        except ValueError:
+            continue
+    return out
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
+def _get(url: str, timeout: float) -> tuple[int | None, str, str | None]:
+    """(status, body, error)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310
+            return response.status, response.read().decode("utf-8", "replace"), None
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace"), None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, "", f"{type(exc).__name__}: {reason}"
+
+
+def _series(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """``{label value: sample}`` of one metric."""
+    out: dict[str, float] = {}
+    for (sample_name, labels), value in samples.items():
+        if sample_name == name:
+            out[dict(labels).get(label, "")] = value
+    return out
+
+
+def _total(samples: Samples, name: str) -> float:
+    return sum(v for (sample_name, _), v in samples.items() if sample_name == name)
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def read_status(
+    url: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    stuck_after: float = DEFAULT_STUCK_AFTER_S,
+    settle: float = SETTLE_S,
+) -> StatusReport:
+    base = url.rstrip("/")
+    code, body, error = _get(base + "/metrics", timeout)
+    if code != 200:
+        why = error or f"HTTP {code}"
+        return StatusReport(
+            base,
+            Verdict.UNREACHABLE,
+            f"cannot read {base}/metrics: {why}",
+            remedy="check the URL (the server's own port, where /metrics is) and that the "
+            "server is up",
+        )
+    before = parse_metrics(body)
+    health, _, health_error = _get(base + "/health", timeout)
+    time.sleep(settle)
+    code, body, error = _get(base + "/metrics", timeout)
+    if code != 200:
+        why = error or f"HTTP {code}"
+        return StatusReport(
+            base,
+            Verdict.UNREACHABLE,
+            f"{base}/metrics answered once, then not: {why}",
+            remedy="the API server itself stopped answering: check its process and log",
+            health_status=health,
+            health_error=health_error,
+        )
+    after = parse_metrics(body)
+    return decide(base, before, after, health, health_error, timeout, stuck_after)
+
+
+def decide(
+    url: str,
+    before: Samples,
+    after: Samples,
+    health: int | None,
+    health_error: str | None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    stuck_after: float = DEFAULT_STUCK_AFTER_S,
+) -> StatusReport:
+    """The verdict from two reads of ``/metrics`` and one ``/health`` between them."""
+    report = StatusReport(url, Verdict.PROTECTED, "", health_status=health)
+    report.health_error = health_error
+    for (name, labels), _ in after.items():
+        if name == n.BUILD_INFO:
+            found = dict(labels)
+            report.plugin_version = found.get("version")
+            report.vllm_version = found.get("vllm_version")
+    report.protected = _series(after, n.PROTECTED_PROCESSES, "kind")
+    report.counters = {
+        name: _total(after, name)
+        for name in (n.CACHE_REPAIRS, n.DRIFT_EVENTS, n.STALLS, n.INTERNAL_ERRORS)
+        if any(s == name for s, _ in after)
+    }
+
+    failed_before = _series(before, n.ROUND_TRIPS_FAILED, "engine")
+    failed_after = _series(after, n.ROUND_TRIPS_FAILED, "engine")
+    age_before = _series(before, n.ENGINE_LAST_ANSWER_AGE, "engine")
+    age_after = _series(after, n.ENGINE_LAST_ANSWER_AGE, "engine")
+    for engine in sorted(set(failed_after) | set(age_after)):
+        report.engines[engine] = {
+            "round_trips_failed_before": failed_before.get(engine),
+            "round_trips_failed_after": failed_after.get(engine),
+            "last_answer_age_s": age_after.get(engine),
+        }
+        rose = failed_after.get(engine, 0.0) - failed_before.get(engine, 0.0)
+        if rose > 0:
+            report.evidence.append(
+                f"{engine}: {rose:g} /health round trip(s) failed just now (it did not "
+                "answer the plugin in time)"
+            )
+        age = age_after.get(engine)
+        if age is not None and age > stuck_after and age > age_before.get(engine, -1.0):
+            report.evidence.append(
+                f"{engine}: last answered {age:.0f} s ago (more than {stuck_after:g} s) and "
+                "still not answering"
+            )
+    if health is not None and health >= 500:
+        report.evidence.append(f"/health answered {health}")
+    elif health is None:
+        report.evidence.append(
+            f"/health did not answer in {timeout:g} s ({health_error}) while /metrics did"
+        )
+
+    if report.evidence:
+        report.verdict = Verdict.STUCK
+        report.summary = "an EngineCore does not answer: " + "; ".join(report.evidence)
+        report.remedy = (
+            "restart the server; before that, `vllm-mmcache-fix diagnose --pid <PID>` on its "
+            "host keeps the evidence (README: A server is frozen now)"
+        )
+        return report
+    if not after:
+        report.verdict = Verdict.UNPROTECTED
+        report.summary = (
+            "no mmcache_fix_* series on /metrics: this server's API server did not load "
+            "vllm-mmcache-fix (not installed, left out by VLLM_PLUGINS, or MMCACHE_FIX_MODE=off)"
+        )
+        report.remedy = "run `vllm-mmcache-fix check` in the server's environment"
+        return report
+    api = report.protected.get(n.KIND_API_SERVER, 0.0)
+    engines = report.protected.get(n.KIND_ENGINE_CORE)
+    if api < 1 or (engines is not None and engines < 1):
+        report.verdict = Verdict.INACTIVE
+        who = "the API server" if api < 1 else "EngineCore"
+        report.summary = (
+            f"vllm-mmcache-fix {report.plugin_version or ''} is loaded, but {who} reports no "
+            "protected cache (MMCACHE_FIX_MODE=warn, or the plugin does not know this vLLM's "
+            "layout)"
+        ).replace("  ", " ")
+        report.remedy = "run `vllm-mmcache-fix check` in the server's environment"
+        return report
+    report.summary = (
+        f"vllm-mmcache-fix {report.plugin_version or '?'} protects vLLM "
+        f"{report.vllm_version or '?'}: {api:g} API server(s)"
+        + (
+            f", {engines:g} EngineCore(s)"
+            if engines is not None
+            else "; EngineCore has not reported yet (its numbers come with the /health round trip)"
+        )
+        + ("; every engine answers" if report.engines else "")
+    )
+    return report
