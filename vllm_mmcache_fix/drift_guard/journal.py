@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -69,12 +68,11 @@ class Journal:
         "evictions_mark",
         "sent_without_data",
         "cleared",
-        "__weakref__",
     )
 
     def __init__(self, shadow: Shadow) -> None:
         self.shadow = shadow
-        shadow.pending.add(self)
+        shadow.pending[self] = None
         self.epoch = shadow.epoch
         self.state = PENDING
         # key -> access counter before this request first touched it (key was present)
@@ -123,8 +121,9 @@ class Shadow:
         self.touched: dict[Key, list[Journal]] = {}
         # keys EngineCore may have evicted while P0 kept them: sent with their data next time
         self.doubtful: set[Key] = set()
-        self.pending: weakref.WeakSet[Journal] = weakref.WeakSet()
-        """Journals of requests processed here and not resolved yet."""
+        self.pending: dict[Journal, None] = {}
+        """Journals of requests processed here and not resolved yet, in processing order
+        (every journal is resolved: committed, rolled back, or dropped with a reset)."""
         self.evictions = 0
         order = lru._LRUCache__order
         self.counter = itertools.count()
@@ -258,7 +257,7 @@ class Shadow:
             if journal.state != PENDING:
                 return False
             journal.state = COMMITTED
-            self.pending.discard(journal)
+            self.pending.pop(journal, None)
             if journal.epoch != self.epoch:
                 return False
             self._release(journal)
@@ -280,17 +279,20 @@ class Shadow:
         order = self.lru._LRUCache__order
         base, seq = self.base, self.seq
         mine = journal.my_seq
+        others = bool(self.pending)
         for key in sorted(mine, key=mine.__getitem__):
             stamp = base[key] = next(self.arrivals)
             if key not in data:
                 # Evicted here while pending; a rollback may put it back: at this place.
                 continue
-            position = self._position(key)
+            position = self._position(key) if others else None
             seq[key] = stamp if position is None else position
             if seq[key] == stamp and key in order:
                 order.move_to_end(key)
+        if not others:
+            return
         above: dict[Key, int] = {}
-        for other in list(self.pending):
+        for other in self.pending:
             for key in other.my_seq:
                 position = seq.get(key)
                 if position is not None and position >= PENDING_LEVEL and key in order:
@@ -304,7 +306,7 @@ class Shadow:
             if journal.state != PENDING:
                 return Rollback(False)
             journal.state = ROLLED_BACK
-            self.pending.discard(journal)
+            self.pending.pop(journal, None)
             if journal.epoch != self.epoch:
                 return Rollback(False)
             self._release(journal)
