@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "sentinel-cost": "harness.sentinel_cost",
     "matrix": "harness.matrix",
     "e2e-versions": "harness.venvs:print_e2e_versions",
+    "pooling-memory": "harness.pooling_memory",
 }
 
 

@@ -15,13 +15,18 @@ receiver, processor, input processor and engine follow vLLM's own call pattern:
 
 from __future__ import annotations
 
+import gc
 import sys
 import textwrap
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from harness import realsrc
+
+DECODED_BYTES = 4096
+"""Bytes of decoded image per unit of item size that a request's processor inputs hold."""
 
 MODULES = (
     "vllm.multimodal.cache",
@@ -142,6 +147,7 @@ class ProcessorInputs:
     def __init__(self, images, text_len):
         self.images = images          # list of (mm_hash, size)
         self.text_len = text_len
+        self.decoded = [bytearray(DECODED_BYTES * size) for _, size in images]
 
 
 class BaseMultiModalProcessor:
@@ -228,6 +234,9 @@ class InputProcessor:
 """
 
 ASYNC_LLM_SRC = """
+import asyncio
+
+
 class Completion:
     def __init__(self, token_ids, finish_reason):
         self.token_ids = token_ids
@@ -247,19 +256,40 @@ class AsyncLLM:
         self.receiver = receiver
         self.sender = sender
         self.sent = []
+        self.gate = None  # an asyncio.Event the first outputs wait for, when set
 
-    async def generate(self, prompt, sampling_params, request_id, **kwargs):
-        request = self.input_processor.process_inputs(request_id, prompt, sampling_params)
+    async def _add(self, request_id, prompt, params):
+        request = self.input_processor.process_inputs(request_id, prompt, params)
         self.sent.append(request)
+        await asyncio.sleep(0)  # sending to EngineCore lets other requests in
+        if self.gate is not None:
+            await self.gate.wait()
         try:
             self.receiver.get_and_update_features(request.mm_features)
         except Exception as exc:
             for h in getattr(exc, "mm_hashes", None) or ():
                 self.sender.invalidate(h)
+            return False
+        return True
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        if not isinstance(prompt, dict):
+            # A streaming-input session: every chunk is a request of its own.
+            async for chunk in prompt:
+                ok = await self._add(request_id, chunk, sampling_params)
+                yield RequestOutput(request_id, [1] if ok else [], None if ok else "error")
+            yield RequestOutput(request_id, [2], "stop")
+            return
+        if not await self._add(request_id, prompt, sampling_params):
             yield RequestOutput(request_id, [], "error")
             return
         yield RequestOutput(request_id, [1], None)
         yield RequestOutput(request_id, [2], "length")
+
+    async def encode(self, prompt, pooling_params, request_id, **kwargs):
+        if not await self._add(request_id, prompt, pooling_params):
+            raise RuntimeError(f"request {request_id} failed in EngineCore")
+        yield RequestOutput(request_id, [], "stop")
 """
 
 
@@ -275,6 +305,7 @@ def install_modules(version: str = "0.23.0") -> dict[str, types.ModuleType]:
     for name, src in sources.items():
         module = types.ModuleType(name)
         module.__dict__["LRUCache"] = lru_module.LRUCache
+        module.__dict__["DECODED_BYTES"] = DECODED_BYTES
         exec(compile(textwrap.dedent(src), f"<{name}>", "exec"), module.__dict__)
         sys.modules[name] = module
         modules[name] = module
@@ -306,10 +337,19 @@ class World:
         self.input_processor = ip.InputProcessor(self.max_model_len)
         self.engine = llm.AsyncLLM(self.input_processor, self.receiver, self.sender)
         self._counter = 0
+        self.inputs: list[weakref.ref[Any]] = []
+        """Every request's processor inputs (with its decoded images), weakly."""
 
     def render(self, images: list[str], text_len: int = 4) -> dict[str, Any]:
         processing = self.modules["vllm.multimodal.processing"]
-        return self.processor.apply(processing.ProcessorInputs([(h, 1) for h in images], text_len))
+        inputs = processing.ProcessorInputs([(h, 1) for h in images], text_len)
+        self.inputs.append(weakref.ref(inputs))
+        return self.processor.apply(inputs)
+
+    def inputs_alive(self) -> int:
+        """Processor inputs of past requests that something still holds."""
+        gc.collect()
+        return sum(ref() is not None for ref in self.inputs)
 
     async def request(self, images: list[str], long: bool = False) -> int:
         """HTTP-like status of one chat request."""
@@ -325,6 +365,22 @@ class World:
         except ValueError:
             return 400
         if outputs and outputs[0].outputs[0].finish_reason == "error":
+            return 500
+        return 200
+
+    async def embed(self, images: list[str], long: bool = False) -> int:
+        """HTTP-like status of one pooling request (``AsyncLLM.encode``)."""
+        self._counter += 1
+        try:
+            prompt = self.render(images, text_len=100 if long else 4)
+        except AssertionError:
+            return 500
+        try:
+            async for _ in self.engine.encode(prompt, None, f"embed-{self._counter}"):
+                pass
+        except ValueError:
+            return 400
+        except RuntimeError:
             return 500
         return 200
 

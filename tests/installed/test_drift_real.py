@@ -38,3 +38,27 @@ def test_real_vllm_classes(version: str, vllm_venv) -> None:
     assert got["final_p0"] == got["final_p1"]
     assert got["counts"]["rollbacks"] == 1
     assert got["counts"]["rollback_entries_restored"] == 1
+
+
+@pytest.mark.parametrize("version", REAL_VERSIONS)
+def test_a_recovered_request_is_not_logged_as_aborted(version: str, vllm_venv) -> None:
+    """vLLM's own ``AsyncLLM.generate`` logs ``Request <id> aborted.`` (and aborts the
+    request in the engine) when its stream is closed early; a recovered request's first
+    stream ends by itself, while a client that goes away is still aborted and logged."""
+    venv = vllm_venv(version)
+    proc = subprocess.run(
+        [python(venv), "-m", "harness.recovery_log_check"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO_ROOT),
+        env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert "generate" in got["patched"]
+    assert got["counts"] == {"drift_events": 1, "recoveries": 1}
+    assert got["recovered"] == {"finish_reasons": ["length"], "aborted": []}
+    assert got["client_went_away"]["aborted"] == ["gone-1"]
+    assert got["log"] == ["Request gone-1 aborted."]

@@ -325,10 +325,12 @@ class Model:
         return self.data[key]
 
     def touch(self, key: str) -> None:
-        if key in self.order:
-            self.order.move_to_end(key)
-        elif key in self.data:
-            self.order[key] = None
+        # A key without data is left alone, an order-only one included.
+        if key in self.data:
+            if key in self.order:
+                self.order.move_to_end(key)
+            else:
+                self.order[key] = None
 
     def pop(self, key: str) -> Val | None:
         if key not in self.data:

@@ -87,6 +87,7 @@ class DriftGuard(Fix):
             "tracking": STATE.live,
             "switched_off": STATE.switched_off,
             "pending": records.pending(),
+            "recoverable": records.attempts(),
             "counts": STATS.as_dict(),
         }
 

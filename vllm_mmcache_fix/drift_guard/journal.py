@@ -7,11 +7,17 @@ own and on the real ``LRUCache`` of released vLLM sources.
 
 Every change a request makes to the sender cache is journaled: keys it
 inserted, keys it moved to most-recent with their previous position, entries
-evicted to make room. A commit (the request reached EngineCore) forgets the
-journal; a rollback (it never will) restores membership and LRU order exactly
-as EngineCore has them: inserted keys leave, evicted entries come back,
-touched keys return to their old position (the shadow keeps an access counter
-per key, so order is restored by sorting on it). While a request is pending,
+evicted to make room. The shadow keeps an access counter per key: the
+position EngineCore gives it (``base``: the last access by a request that
+reached EngineCore) and the moves of requests still pending. A commit (the
+request reached EngineCore) moves the request's keys to most-recent in the
+order it touched them, as EngineCore does when the request arrives, whatever
+the order the requests were processed in. A rollback (it never will) restores
+membership and LRU order as EngineCore has them: inserted keys leave, evicted
+entries come back, and a touched key goes back to the newest of its position
+in EngineCore and the moves of the requests still pending (order is restored
+by sorting on the counter), whatever the order the rejections come in. While a
+request is pending,
 the keys it inserted or moved look uncached to other requests
 (:meth:`Shadow.looks_uncached`). A rollback that comes after later evictions
 cannot know what EngineCore evicted instead; the keys it moves back become
@@ -23,11 +29,28 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 PENDING, COMMITTED, ROLLED_BACK = 0, 1, 2
+PENDING_LEVEL = 1 << 62
+"""Positions of moves by pending requests start here: above every position EngineCore has
+(those count up from 0 in the order requests reach it)."""
 
 Key = Any  # cache keys are mm hashes (str); kept loose for test doubles
+
+
+class Evicted(NamedTuple):
+    """An entry evicted from the sender cache while a request was processed."""
+
+    key: Key
+    value: Any
+    seq: int | None
+    """Its position in the sender cache's order then."""
+    base: int | None
+    """Its position in EngineCore's order then."""
+    owner: Journal | None
+    """The pending request that had inserted it."""
+    doubtful: bool
 
 
 class Journal:
@@ -49,6 +72,7 @@ class Journal:
 
     def __init__(self, shadow: Shadow) -> None:
         self.shadow = shadow
+        shadow.pending[self] = None
         self.epoch = shadow.epoch
         self.state = PENDING
         # key -> access counter before this request first touched it (key was present)
@@ -58,8 +82,8 @@ class Journal:
         self.inserted: list[Key] = []
         # key -> the pending journal that had inserted it before this one sent its data
         self.adopted: dict[Key, Journal] = {}
-        # (key, value, access counter, pending owner) of entries evicted meanwhile
-        self.evicted: list[tuple[Key, Any, int | None, Journal | None]] = []
+        # entries evicted while this request was processed
+        self.evicted: list[Evicted] = []
         # The shadow's eviction count when this request's processing ended.
         self.evictions_mark: int | None = None
         self.sent_without_data = 0
@@ -89,31 +113,45 @@ class Shadow:
         """False once tracking of this cache was switched off; never set back."""
         self.epoch = 0
         self.seq: dict[Key, int] = {}
+        """key -> its position in the sender cache's order (access counter)."""
+        self.base: dict[Key, int] = {}
+        """key -> its position in EngineCore's order: the last access that is not pending."""
         self.owner: dict[Key, Journal] = {}
         # key -> pending journals that moved it to most-recent (it was cached already)
         self.touched: dict[Key, list[Journal]] = {}
         # keys EngineCore may have evicted while P0 kept them: sent with their data next time
         self.doubtful: set[Key] = set()
+        self.pending: dict[Journal, None] = {}
+        """Journals of requests processed here and not resolved yet, in processing order
+        (every journal is resolved: committed, rolled back, or dropped with a reset)."""
         self.evictions = 0
         order = lru._LRUCache__order
-        self.counter = itertools.count(len(order))
+        self.counter = itertools.count()
+        """Positions of pending moves (above ``PENDING_LEVEL``), in processing order."""
+        self.arrivals = itertools.count(len(order))
+        """Positions of accesses EngineCore has, in the order they reach it."""
         for index, key in enumerate(order):
             self.seq[key] = index
+        self.base.update(self.seq)
 
     # -- observation --------------------------------------------------------------
 
     def on_evict(self, key: Key, value: Any, journal: Journal | None) -> None:
         self.evictions += 1
+        doubtful = key in self.doubtful
         self.doubtful.discard(key)
         seq = self.seq.pop(key, None)
+        base = self.base.pop(key, None)
         owner = self.owner.pop(key, None)
         if journal is not None and journal.shadow is self:
-            journal.evicted.append((key, value, seq, owner))
+            journal.evicted.append(Evicted(key, value, seq, base, owner, doubtful))
 
     def note_access(self, key: Key, journal: Journal | None, prev: int | None) -> int:
-        stamp = next(self.counter)
-        self.seq[key] = stamp
-        if journal is not None:
+        if journal is None:
+            stamp = self.base[key] = next(self.arrivals)
+            self.seq[key] = stamp
+        else:
+            stamp = self.seq[key] = PENDING_LEVEL + next(self.counter)
             if key not in journal.my_seq:
                 journal.prev_seq[key] = prev
                 if prev is not None:
@@ -172,6 +210,7 @@ class Shadow:
         """EngineCore reported ``key`` missing and vLLM dropped it from the cache."""
         self.owner.pop(key, None)
         self.seq.pop(key, None)
+        self.base.pop(key, None)
         self.doubtful.discard(key)
 
     def _release(self, journal: Journal) -> None:
@@ -191,6 +230,24 @@ class Shadow:
         data = self.lru._Cache__data
         if len(self.seq) > 2 * len(data) + 64:
             self.seq = {k: v for k, v in self.seq.items() if k in data}
+        if len(self.base) > 2 * len(data) + 64:
+            self.base = {k: v for k, v in self.base.items() if k in data}
+        if len(self.doubtful) > len(data) + 64:
+            self.doubtful = {k for k in self.doubtful if k in data}
+
+    def _position(self, key: Key) -> int | None:
+        """Where ``key`` belongs in the order: EngineCore's position or a pending move."""
+        best = self.base.get(key)
+        holder = self.owner.get(key)
+        if holder is not None and holder.state == PENDING and holder.epoch == self.epoch:
+            stamp = holder.my_seq.get(key)
+            if stamp is not None and (best is None or stamp > best):
+                best = stamp
+        for journal in self.touched.get(key, ()):
+            stamp = journal.my_seq.get(key)
+            if journal.state == PENDING and stamp is not None and (best is None or stamp > best):
+                best = stamp
+        return best
 
     # -- resolution ---------------------------------------------------------------
 
@@ -200,6 +257,7 @@ class Shadow:
             if journal.state != PENDING:
                 return False
             journal.state = COMMITTED
+            self.pending.pop(journal, None)
             if journal.epoch != self.epoch:
                 return False
             self._release(journal)
@@ -210,7 +268,37 @@ class Shadow:
             for key in journal.adopted:
                 if owner.get(key) is journal:
                     del owner[key]
+            self._arrive(journal)
         return True
+
+    def _arrive(self, journal: Journal) -> None:
+        """EngineCore gets ``journal``'s accesses now, after every request that reached it
+        before: its keys become the most recent of what EngineCore holds, in the order the
+        request touched them; keys that requests still pending moved stay above them."""
+        data = self.lru._Cache__data
+        order = self.lru._LRUCache__order
+        base, seq = self.base, self.seq
+        mine = journal.my_seq
+        others = bool(self.pending)
+        for key in sorted(mine, key=mine.__getitem__):
+            stamp = base[key] = next(self.arrivals)
+            if key not in data:
+                # Evicted here while pending; a rollback may put it back: at this place.
+                continue
+            position = self._position(key) if others else None
+            seq[key] = stamp if position is None else position
+            if seq[key] == stamp and key in order:
+                order.move_to_end(key)
+        if not others:
+            return
+        above: dict[Key, int] = {}
+        for other in self.pending:
+            for key in other.my_seq:
+                position = seq.get(key)
+                if position is not None and position >= PENDING_LEVEL and key in order:
+                    above[key] = position
+        for key in sorted(above, key=above.__getitem__):
+            order.move_to_end(key)
 
     def rollback(self, journal: Journal) -> Rollback:
         """Undo ``journal`` (the request will never reach EngineCore)."""
@@ -218,6 +306,7 @@ class Shadow:
             if journal.state != PENDING:
                 return Rollback(False)
             journal.state = ROLLED_BACK
+            self.pending.pop(journal, None)
             if journal.epoch != self.epoch:
                 return Rollback(False)
             self._release(journal)
@@ -248,15 +337,20 @@ class Shadow:
                         self._drop(key)
                         removed += 1
             for key, before in journal.prev_seq.items():
-                if before is None or key not in data:
+                if before is None:
                     continue
-                if seq.get(key) == journal.my_seq.get(key):
-                    seq[key] = before
-                    moved = True
-                    if late:
-                        # EngineCore kept the key at its old place and may have
-                        # evicted it where P0 evicted others.
-                        self.doubtful.add(key)
+                if late:
+                    # EngineCore kept the key at its old place and may have evicted
+                    # it where P0 evicted others (even if a later request moved it
+                    # too, or evicted it since: a rollback may bring it back).
+                    self.doubtful.add(key)
+                if key not in data:
+                    continue
+                position = self._position(key)
+                if position is None or seq.get(key) == position:
+                    continue
+                seq[key] = position
+                moved = True
             for key in journal.cleared:
                 if key in data:
                     self.doubtful.add(key)
@@ -265,25 +359,32 @@ class Shadow:
             # these instead (they are its oldest), and putting them back would not
             # match it. Most recently used first: when not all fit, the oldest
             # stay out.
-            evicted: list[tuple[Key, Any, int | None, Journal | None]] = []
+            evicted: list[Evicted] = []
             if journal.evictions_mark in (None, self.evictions):
                 evicted = journal.evicted
-            evicted = sorted(evicted, key=lambda e: -1 if e[2] is None else e[2], reverse=True)
-            for key, value, stamp, previous_owner in evicted:
+            evicted = sorted(evicted, key=lambda e: -1 if e.seq is None else e.seq, reverse=True)
+            for entry in evicted:
+                key, previous_owner = entry.key, entry.owner
                 if key in data:
                     continue
                 if previous_owner is not None and previous_owner.state == ROLLED_BACK:
                     continue
                 try:
-                    size = lru.getsizeof(value)
+                    size = lru.getsizeof(entry.value)
                 except Exception:
                     break
                 if lru.currsize + size > lru.maxsize:
                     break
-                lru[key] = value
-                seq[key] = -1 if stamp is None else stamp
+                lru[key] = entry.value
+                if entry.base is not None:
+                    # (a request that reached EngineCore since may have moved it)
+                    self.base[key] = max(entry.base, self.base.get(key, entry.base))
                 if previous_owner is not None and previous_owner.state == PENDING:
                     owner[key] = previous_owner
+                if entry.doubtful:
+                    self.doubtful.add(key)  # (one that is doubtful now stays so)
+                position = self._position(key)
+                seq[key] = -1 if position is None else position
                 restored += 1
                 moved = True
             if moved:
@@ -312,15 +413,24 @@ class Shadow:
             self.owner.clear()
             self.touched.clear()
             self.doubtful.clear()
+            self.pending.clear()
             self.seq.clear()
             for index, key in enumerate(self.lru._LRUCache__order):
                 self.seq[key] = index
-            self.counter = itertools.count(len(self.seq))
+            self.base = dict(self.seq)
+            self.arrivals = itertools.count(len(self.seq))
 
     def _drop(self, key: Key) -> None:
         self.doubtful.discard(key)
         self.seq.pop(key, None)
-        self.lru.pop(key, None)
+        self.base.pop(key, None)
+        lru = self.lru
+        order = lru._LRUCache__order
+        if key not in order and key in lru._Cache__data:
+            # Data without an order entry: cachetools 7+ no longer gives it one on
+            # reading, so vLLM's pop would remove the data and then raise KeyError.
+            order[key] = None
+        lru.pop(key, None)
 
     def _reorder(self) -> bool:
         """Sort the LRU order by access counter; True when something moved."""

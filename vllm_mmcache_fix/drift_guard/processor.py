@@ -129,7 +129,6 @@ def _after_merge(out: Any, evictions: int, journal: Journal | None, ctx: Any) ->
 
 def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     prompt_arg = reader(orig, "prompt", what="process_inputs")
-    request_id_arg = reader(orig, "request_id", what="process_inputs")
 
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not STATE.live:
@@ -163,7 +162,7 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
                         records.commit(record.journal)
                     replay = replay or record.replay
                 if STATE.recovery:
-                    records.note_attempt(request_id_arg.get(args, kwargs), request, replay)
+                    records.note_attempt(prompt_arg.get(args, kwargs), request, replay)
         return request
 
     return process_inputs

@@ -4,8 +4,20 @@ A request's processed inputs (``mm_kwargs``) are registered with its journal
 and the means to process them again. ``process_inputs`` takes the record
 back and commits (or, when it raises, rolls back); an input the garbage
 collector frees without reaching it is rolled back at the next safe point
-(``drain_deferred``). A request that sent items without data is remembered as
-an attempt, keyed by request id, for recovery.
+(``drain_deferred``).
+
+Recovery needs, for a request that sent items without data, their hashes and
+the means to process its inputs again (which holds the decoded images or
+frames). Only a request that can be recovered gets it: one inside the
+``AsyncLLM.generate`` wrapper, which opens a :class:`Slot` for its prompt
+before vLLM processes it; ``process_inputs`` fills the slot of that very prompt
+object (never one found by the client's request id, which need not be
+unique). Pooling requests (``encode``), streaming-input sessions and offline
+engines open no slot, so nothing is kept for them. A slot lives as long as its
+``generate`` call waits for the first output, however the request ends; the
+decoded inputs of all open slots together are bounded in bytes
+(:data:`MAX_REPLAY_BYTES`): past that, a request keeps only its hashes and a
+drift of it reaches the client as vLLM's error.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +37,10 @@ from .journal import Journal, Key, Shadow
 from .stats import STATS
 
 LOG_INTERVAL_S = 60.0
-MAX_ATTEMPTS = 4096
+MAX_REPLAY_BYTES = 256 * 2**20
+"""Decoded inputs kept for re-sending, over all requests waiting for their first output."""
+# Walking a request's inputs to size them stops after this many objects.
+_SIZE_WALK_LIMIT = 4096
 
 
 @dataclass(eq=False)
@@ -37,18 +52,66 @@ class Record:
     replay: Callable[[], Any] | None
 
 
-@dataclass
 class Attempt:
-    hashes: list[Key]
-    replay: Callable[[], Any] | None
+    """What ``process_inputs`` saw of a recoverable request that sent items without data."""
+
+    __slots__ = ("hashes", "replay", "_refund", "__weakref__")
+
+    def __init__(self, hashes: list[Key], replay: Callable[[], Any] | None, size: int) -> None:
+        self.hashes = hashes
+        self.replay = replay
+        self._refund = weakref.finalize(self, _replays.refund, size) if replay is not None else None
+
+    def release(self) -> None:
+        """Drop the inputs kept for re-sending (the hashes stay)."""
+        self.replay = None
+        if self._refund is not None:
+            self._refund()
+
+
+class Slot:
+    """One ``generate`` call's place for the attempt of its prompt, open while vLLM adds it."""
+
+    __slots__ = ("prompt", "attempt", "__weakref__")
+
+    def __init__(self, prompt: Any) -> None:
+        self.prompt = prompt
+        self.attempt: Attempt | None = None
+
+
+class ReplayBudget:
+    """Bytes of decoded inputs held by attempts, against :data:`MAX_REPLAY_BYTES`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.count = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def admit(self, size: int) -> bool:
+        with self._lock:
+            if self.held + size > self.limit:
+                self.refused += 1
+                return False
+            self.held += size
+            self.count += 1
+            return True
+
+    def refund(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+            self.count -= 1
 
 
 # id(mm_kwargs) -> (weak reference to it, record)
 _registry: dict[int, tuple[weakref.ref[Any], Record]] = {}
 _registry_lock = threading.Lock()
 _deferred: collections.deque[Record] = collections.deque()
-_attempts: collections.OrderedDict[Any, Attempt] = collections.OrderedDict()
-_attempts_lock = threading.Lock()
+# id(prompt) -> slots of the generate calls adding that prompt object now
+_slots: dict[int, list[Slot]] = {}
+_slots_lock = threading.Lock()
+_replays = ReplayBudget(MAX_REPLAY_BYTES)
 shadows: weakref.WeakSet[Shadow] = weakref.WeakSet()
 _rollback_limiter = log.RateLimiter(LOG_INTERVAL_S)
 
@@ -65,8 +128,25 @@ def clear() -> None:
     with _registry_lock:
         _registry.clear()
     _deferred.clear()
-    with _attempts_lock:
-        _attempts.clear()
+    with _slots_lock:
+        slots = [slot for group in _slots.values() for slot in group]
+        _slots.clear()
+    for slot in slots:
+        if slot.attempt is not None:
+            slot.attempt.release()
+            slot.attempt = None
+
+
+def attempts() -> dict[str, int]:
+    """Open slots, and the attempts holding decoded inputs with their bytes."""
+    with _slots_lock:
+        open_slots = sum(len(group) for group in _slots.values())
+    return {
+        "open": open_slots,
+        "holding_inputs": _replays.count,
+        "input_bytes": _replays.held,
+        "refused_for_size": _replays.refused,
+    }
 
 
 def _on_collected(record: Record, _ref: weakref.ref[Any]) -> None:
@@ -192,24 +272,119 @@ def feature_key(feature: Any) -> Any:
     return getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
 
 
-def note_attempt(request_id: Any, request: Any, replay: Callable[[], Any] | None) -> None:
-    if request_id is None:
+def open_slot(prompt: Any) -> Slot:
+    """A recoverable ``generate`` call is about to have ``prompt`` added."""
+    slot = Slot(prompt)
+    with _slots_lock:
+        _slots.setdefault(id(prompt), []).append(slot)
+    return slot
+
+
+def close_slot(slot: Slot) -> Attempt | None:
+    """The call has its first output (or ended): its attempt, which nothing else holds now."""
+    with _slots_lock:
+        group = _slots.get(id(slot.prompt))
+        if group is not None:
+            try:
+                group.remove(slot)
+            except ValueError:
+                pass
+            if not group:
+                del _slots[id(slot.prompt)]
+    attempt, slot.attempt = slot.attempt, None
+    return attempt
+
+
+def _slot_for(prompt: Any) -> Slot | None:
+    with _slots_lock:
+        for slot in _slots.get(id(prompt), ()):
+            if slot.prompt is prompt and slot.attempt is None:
+                return slot
+    return None
+
+
+def note_attempt(prompt: Any, request: Any, replay: Callable[[], Any] | None) -> None:
+    """``process_inputs`` built ``request`` from ``prompt``: fill its slot, if it has one."""
+    if not _slots:
         return
     features = getattr(request, "mm_features", None)
     if not features:
         return
     if all(getattr(f, "data", None) is not None for f in features):
         return
+    slot = _slot_for(prompt)
+    if slot is None:
+        return  # not a request recovery can re-send
     hashes = [k for k in (feature_key(f) for f in features) if k is not None]
-    with _attempts_lock:
-        _attempts[request_id] = Attempt(hashes, replay)
-        while len(_attempts) > MAX_ATTEMPTS:
-            _attempts.popitem(last=False)
+    size = 0
+    if replay is not None:
+        size = replay_size(replay)
+        if not _replays.admit(size):
+            replay = None
+    slot.attempt = Attempt(hashes, replay, size)
 
 
-def pop_attempt(request_id: Any) -> Attempt | None:
-    with _attempts_lock:
-        return _attempts.pop(request_id, None)
+def replay_size(replay: Any) -> int:
+    """Bytes of the inputs a replay holds (images, frames, arrays, raw bytes), estimated.
+
+    Inputs that cannot be sized count as too large to keep.
+    """
+    try:
+        return estimate_bytes((getattr(replay, "args", ()), getattr(replay, "kwargs", {})))
+    except Exception:
+        return MAX_REPLAY_BYTES + 1
+
+
+def estimate_bytes(root: Any) -> int:
+    """The sizes of the buffers reachable from ``root`` through containers and attributes.
+
+    Counted: ``nbytes`` (numpy arrays, torch tensors), PIL images (width x height x
+    bands), bytes and strings. Caches met on the way (anything named ``cache``, any
+    cachetools cache) are not entered; the walk stops after ``_SIZE_WALK_LIMIT`` objects.
+    """
+    total = 0
+    seen: set[int] = set()
+    stack = [root]
+    visited = 0
+    while stack and visited < _SIZE_WALK_LIMIT:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, (bool, int, float)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        visited += 1
+        if isinstance(obj, (bytes, bytearray, str)):
+            total += len(obj)
+            continue
+        nbytes = getattr(obj, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+            continue
+        size = getattr(obj, "size", None)
+        if callable(getattr(obj, "getbands", None)) and isinstance(size, tuple) and len(size) == 2:
+            total += int(size[0]) * int(size[1]) * len(obj.getbands())
+            continue
+        if hasattr(obj, "_Cache__data"):
+            continue
+        if isinstance(obj, Mapping):
+            try:
+                stack.extend(v for k, v in obj.items() if k not in _NOT_WALKED)
+            except Exception:
+                pass
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+            continue
+        fields = getattr(obj, "__dict__", None)
+        if isinstance(fields, dict):
+            stack.extend(v for k, v in fields.items() if k not in _NOT_WALKED)
+        slots = getattr(type(obj), "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in _NOT_WALKED and not name.startswith("__"):
+                stack.append(getattr(obj, name, None))
+    return total
+
+
+_NOT_WALKED = frozenset({"cache", "_cache"})
 
 
 def has_missing_data(mm_kwargs: Any) -> bool:

@@ -6,6 +6,10 @@ from 0.28, a failed request on older releases), all of its items are dropped
 from the shadow, its multimodal items are processed again (they now carry
 data) and the request is submitted again, before anything reaches the client.
 Skipped (the error passes through) when the inputs cannot be rebuilt.
+
+The first stream is left to end by itself (its last output has come), so vLLM
+neither aborts that request again nor logs it as aborted; a client that goes
+away still closes the stream, and vLLM logs that abort as always.
 """
 
 from __future__ import annotations
@@ -134,7 +138,10 @@ async def _recovering(
 ) -> AsyncIterator[Any]:
     request_id = request_id_arg.get(args, kwargs)
     attempt: Attempt | None = None
+    slot = None
     retry_wanted = False
+    with _S_START:
+        slot = records.open_slot(prompt_arg.get(args, kwargs))
     stream = orig(engine, *args, **kwargs)
     try:
         try:
@@ -143,25 +150,36 @@ async def _recovering(
             return
         finally:
             with _S_FIRST:
-                attempt = records.pop_attempt(request_id)
+                if slot is not None:
+                    attempt = records.close_slot(slot)
         with _S_FIRST:
             retry_wanted = STATE.live and attempt is not None and is_error_without_tokens(first)
         if not retry_wanted:
+            if attempt is not None:
+                attempt.release()
             yield first
             async for out in stream:
                 yield out
             return
+        # The error was the request's last output: let its stream end by itself.
+        async for _ in stream:
+            pass
     finally:
+        if attempt is not None and not retry_wanted:
+            attempt.release()
         await stream.aclose()
 
     assert attempt is not None
     retry = None
-    with _S_RETRY:
-        STATS.add("drift_events")
-        retry = await _prepare_retry(engine, prompt_arg.get(args, kwargs), attempt)
-        if retry is None:
-            STATS.add("recovery_unavailable")
-            _log_drift(request_id, attempt, "it could not be re-sent (inputs unavailable)")
+    try:
+        with _S_RETRY:
+            STATS.add("drift_events")
+            retry = await _prepare_retry(engine, prompt_arg.get(args, kwargs), attempt)
+            if retry is None:
+                STATS.add("recovery_unavailable")
+                _log_drift(request_id, attempt, "it could not be re-sent (inputs unavailable)")
+    finally:
+        attempt.release()
     if retry is None:
         yield first
         return
@@ -172,9 +190,6 @@ async def _recovering(
             again = await stream.__anext__()
         except StopAsyncIteration:
             return
-        finally:
-            with _S_RESULT:
-                records.pop_attempt(request_id)
         with _S_RESULT:
             if is_error_without_tokens(again):
                 STATS.add("recovery_failures")

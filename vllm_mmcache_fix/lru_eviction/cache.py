@@ -88,9 +88,12 @@ class FixedLRUMixin:
     ``super()``.
 
     - ``touch`` never adds a key that holds no data.
-    - ``popitem`` drops order-only keys it meets, restores order entries for
-      data-only keys, and then removes a real item or raises: it never
-      returns without removing something.
+    - ``popitem`` drops order-only keys, restores order entries for data-only
+      keys, and then removes a real item or raises: it never returns without
+      removing something. Order and data also disagree for a moment while
+      another thread is between the two halves of an insert or a delete: that
+      thread is let finish first, and only what is still wrong after it is
+      repaired and counted.
     - ``clear`` always terminates and leaves order and data empty.
     """
 
@@ -101,40 +104,34 @@ class FixedLRUMixin:
     pinned_items: set[Hashable]
 
     def touch(self, key: Hashable) -> None:
-        # Same cost as vLLM's own touch on the hot path (one move_to_end).
-        # An order-only key that is touched just moves; popitem drops it.
-        try:
-            self._LRUCache__order.move_to_end(key)
-        except KeyError:
-            if key in self._Cache__data:
-                # Data without an order entry: give it one, as most recent.
-                self._LRUCache__order[key] = None
-                _record("orphans_restored", 1, self)
-            # A missing key is not added: vLLM <= 0.23 did, creating the ghost.
+        # Membership first, as vLLM 0.24+ does: a missing key costs a dict lookup, not
+        # a KeyError. A missing key is not added: vLLM <= 0.23 did, creating the ghost.
+        if key in self._Cache__data:
+            try:
+                self._LRUCache__order.move_to_end(key)
+            except KeyError:
+                self._mmfix_touch_data_only(key)
 
     def popitem(self, remove_pinned: bool = False) -> tuple[Hashable, Any]:
         order = self._LRUCache__order
         data = self._Cache__data
         pinned = self.pinned_items
-        if len(order) != len(data):
-            self._mmfix_resync()
-        victim: Any = _NO_VICTIM
-        for key in order:
-            if key not in data:
-                # A ghost with an orphan somewhere balancing the lengths (or a
-                # concurrent change): repair everything, then look again.
-                self._mmfix_resync()
-                victim = next(
-                    (k for k in order if k in data and (remove_pinned or k not in pinned)),
-                    _NO_VICTIM,
-                )
-                break
-            if remove_pinned or key not in pinned:
-                victim = key
-                break
+        if len(order) == len(data):
+            for key in order:
+                if key not in data:
+                    break  # an order-only key: vLLM's own popitem would stall on it
+                if remove_pinned or key not in pinned:
+                    return key, self.pop(key)  # type: ignore[attr-defined]
+            else:
+                # Order and data agree and nothing is evictable: vLLM's own popitem
+                # raises the error it always raised for this case.
+                return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
+        self._mmfix_repair()
+        victim = next(
+            (k for k in order if k in data and (remove_pinned or k not in pinned)),
+            _NO_VICTIM,
+        )
         if victim is _NO_VICTIM:
-            # Order and data agree and nothing is evictable: vLLM's own popitem
-            # raises the error it always raised for this case.
             return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
         return victim, self.pop(victim)  # type: ignore[attr-defined]
 
@@ -144,36 +141,97 @@ class FixedLRUMixin:
         while data:
             self.popitem(remove_pinned=True)
         if self._LRUCache__order:
-            self._mmfix_resync()
+            self._mmfix_repair()
         # A pin can outlive its item when cachetools' delete fails half-way.
         self.pinned_items.clear()
         # Nothing left to remove: vLLM's clear only resets its statistics now.
         getattr(type(self), BASE_ATTR).clear(self)
 
-    def _mmfix_resync(self) -> None:
+    def _mmfix_touch_data_only(self, key: Hashable) -> None:
+        """``touch`` met a key with data and no order entry."""
+        self._mmfix_wait_for_others()
+        order = self._LRUCache__order
+        if key not in self._Cache__data:
+            return
+        if key in order:
+            # Another thread was inserting it and has given it its entry.
+            order.move_to_end(key)
+            return
+        # Data without an order entry: give it one, as most recent.
+        order[key] = None
+        _record("orphans_restored", 1, self)
+
+    def _mmfix_repair(self) -> None:
         """Make the order hold exactly the keys that have data.
 
         Order-only keys are dropped. Data-only keys go to the oldest end,
         keeping their relative order: they lost their place at some point, and
         evicting them first is the conservative choice (their data is intact,
-        and P0's shadow of this cache evicts in the same order).
+        and P0's shadow of this cache evicts in the same order). Keys found out
+        of step are looked at again once no other thread is inside cachetools'
+        code on this cache: one that another thread was inserting or deleting
+        is left to that thread, so only what would have stalled vLLM is
+        repaired and counted.
         """
         order = self._LRUCache__order
         data = self._Cache__data
         ghosts = [key for key in order if key not in data]
+        orphans = [key for key in data if key not in order]
+        if not ghosts and not orphans:
+            return
+        self._mmfix_wait_for_others()
+        ghosts = [key for key in ghosts if key in order and key not in data]
         for key in ghosts:
             order.pop(key, None)
         if ghosts:
             _record("ghost_keys_dropped", len(ghosts), self)
-        orphans = [key for key in data if key not in order]
+        orphans = [key for key in orphans if key in data and key not in order]
         for key in reversed(orphans):
             order[key] = None
             order.move_to_end(key, last=False)
         if orphans:
             _record("orphans_restored", len(orphans), self)
 
+    def _mmfix_wait_for_others(self) -> None:
+        """Let threads that are inside cachetools' own code on this cache finish.
 
-_MIXED_IN = ("touch", "popitem", "clear", "_mmfix_resync")
+        cachetools writes an item's data and its order entry in two steps (and
+        removes them in two); a thread between the two leaves order and data apart
+        for a moment. Waiting for it (at most about 0.1 s) tells that apart from
+        a disagreement that stays. Only called when order and data disagree.
+        """
+        import sys
+        import threading
+        import time
+
+        codes = {
+            value.__code__
+            for cls in type(self).__mro__
+            if cls.__module__.split(".")[0] == "cachetools"
+            for value in vars(cls).values()
+            if hasattr(value, "__code__")
+        }
+        me = threading.get_ident()
+        for _ in range(100):
+            busy = False
+            for ident, top in sys._current_frames().items():
+                frame = top if ident != me else None
+                while frame is not None and not busy:
+                    busy = frame.f_code in codes and frame.f_locals.get("self") is self
+                    frame = frame.f_back
+            if not busy:
+                return
+            time.sleep(0.001)
+
+
+_MIXED_IN = (
+    "touch",
+    "popitem",
+    "clear",
+    "_mmfix_touch_data_only",
+    "_mmfix_repair",
+    "_mmfix_wait_for_others",
+)
 _fixed_classes: dict[type, type] = {}
 _fixed_classes_lock = threading.Lock()
 
