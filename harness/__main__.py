@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "health-rtt": "harness.health",
     "sentinel-cost": "harness.sentinel_cost",
     "matrix": "harness.matrix",
+    "topologies": "harness.topologies.cli",
 }
 
 
