@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pooling-requests", type=int, default=1000)
     ap.add_argument("--lock-timeout", type=float, default=None)
     ap.add_argument("--list", action="store_true", help="print the shapes and stop")
+    ap.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="judge the recorded runs again with this checkout's rules, rewrite the table, stop",
+    )
     args = ap.parse_args(argv)
 
     if args.list:
@@ -106,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name:<20} {s.title}")
         return 0
     data = record.load(args.file)
-    if args.table:
+    if args.rejudge:
+        from harness.topologies.http_case import start_failure
+
+        record.rejudge(data, start_failure)
+        record.save(data, args.file)
+    if args.table or args.rejudge:
         changed = table.rewrite_doc(data)
         print("docs/topologies.md table " + ("rewritten" if changed else "unchanged"))
         return 0

@@ -41,6 +41,8 @@ from harness.topologies.shapes import API_SERVER_MODULE, POOLING, Shape
 
 HEALTH_INTERVAL_S = 0.5
 HEALTH_CLIENT_TIMEOUT_S = 30.0
+SLOW_REQUEST_S = 5.0
+"""A request in flight this long gets the processes' CPU and stacks recorded."""
 POOL_IMAGES = 4
 POOL_IMAGE_SIDE = 448
 """Large enough that a decoded image kept per request shows in resident memory (0.6 MB)."""
@@ -55,13 +57,27 @@ def module_command(serve_cmd: list[str]) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *rest]
 
 
+_EXCEPTION = re.compile(
+    r"^(?:\([^()]*\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?"
+    r"(?P<kind>[A-Za-z_][\w.]*(?:Error|Exception)): (?P<text>.+)$"
+)
+"""An exception line of a traceback, with or without vLLM's log prefix."""
+_WRAPPERS = ("See root cause above", "server exited with", "initialization failed")
+
+
 def start_failure(log_path: Path) -> str:
-    """The last error line of a log (why a server did not start)."""
+    """Why a server or program did not start: the first exception its log names that is not
+    one of vLLM's wrappers ("Engine core initialization failed. See root cause above"),
+    else the last error-like line."""
     try:
         lines = Path(log_path).read_text(errors="replace").splitlines()
     except OSError:
         return ""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in lines]
+    for line in lines:
+        m = _EXCEPTION.search(line)
+        if m and not any(w in line for w in _WRAPPERS):
+            return f"{m.group('kind')}: {m.group('text')}"[:400]
     keys = ("Error", "error:", "Exception", "refus", "assert")
     hits = [ln for ln in lines if any(k in ln for k in keys)]
     return (hits[-1] if hits else (lines[-1] if lines else ""))[-400:]
@@ -88,9 +104,15 @@ def _detail(reply: Reply) -> str:
 
 
 def replay(
-    base_url: str, *, pooling: bool, n_images: int, request_timeout: float
+    base_url: str,
+    *,
+    pooling: bool,
+    n_images: int,
+    request_timeout: float,
+    watch: observe.SlowWatch | None = None,
 ) -> tuple[list[dict[str, Any]], float | None, dict[str, Any]]:
-    """The incident sequence; (steps, monotonic start of the request that hung, prompt)."""
+    """The incident sequence; (steps, monotonic start of the request that hung, prompt).
+    ``watch`` looks at the processes while a request is slow."""
     words, tokens = choose_word_count(base_url, request_timeout)
     route = "/v1/embeddings" if pooling else "/v1/chat/completions"
     steps: list[dict[str, Any]] = []
@@ -103,7 +125,13 @@ def replay(
         else:
             payload = media_payload(text, "image", index)
         t0 = time.monotonic()
-        reply = http_post(base_url + route, payload, request_timeout)
+        if watch is not None:
+            watch.start(step)
+        try:
+            reply = http_post(base_url + route, payload, request_timeout)
+        finally:
+            if watch is not None:
+                watch.stop()
         steps.append(
             {
                 "step": step,
@@ -190,12 +218,15 @@ def run_http_case(
             server.base_url, interval=HEALTH_INTERVAL_S, timeout=HEALTH_CLIENT_TIMEOUT_S
         ) as poller:
             t_start = time.monotonic()
+            watch = observe.SlowWatch(root, log_path, after_s=SLOW_REQUEST_S)
             steps, hang_at, prompt = replay(
                 server.base_url,
                 pooling=shape.entry == POOLING,
                 n_images=n_images,
                 request_timeout=request_timeout,
+                watch=watch,
             )
+            rec["slow_requests"] = watch.seen
             if hang_at is not None:
                 rec["engines_at_hang"] = observe.engines_after(root)
                 rec["stacks"] = observe.dump_stacks(root, log_path.with_suffix(".stacks.txt"))

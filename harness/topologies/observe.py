@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -130,8 +131,11 @@ def engines_after(root: int, seconds: float = 2.0) -> dict[str, Any]:
 PY_SPY = cache_root() / "venvs" / "dev" / "bin" / "py-spy"
 
 
-def dump_stacks(root: int, out: Path, timeout: float = 30.0) -> dict[str, Any]:
-    """``py-spy dump`` of every Python process of the tree into ``out``; a short summary."""
+def dump_stacks(
+    root: int, out: Path, timeout: float = 30.0, native: bool = False
+) -> dict[str, Any]:
+    """``py-spy dump`` of every Python process of the tree into ``out``; a short summary.
+    ``native``: with C/C++ frames (where a thread waits in OpenMP or a collective)."""
     if not PY_SPY.exists():
         return {"error": f"{PY_SPY} missing"}
     summary: dict[str, Any] = {"file": str(out), "processes": {}}
@@ -140,7 +144,7 @@ def dump_stacks(root: int, out: Path, timeout: float = 30.0) -> dict[str, Any]:
             title = procs.process_name(pid)[:100]
             try:
                 res = subprocess.run(
-                    [str(PY_SPY), "dump", "--pid", str(pid)],
+                    [str(PY_SPY), "dump", "--pid", str(pid), *(["--native"] if native else [])],
                     capture_output=True,
                     text=True,
                     timeout=timeout,
@@ -151,6 +155,65 @@ def dump_stacks(root: int, out: Path, timeout: float = 30.0) -> dict[str, Any]:
             handle.write(f"===== pid {pid} {title}\n{text}\n")
             summary["processes"][str(pid)] = {"title": title, "threads": _threads(text)}
     return summary
+
+
+def cpu_by_process(root: int, seconds: float = 1.0) -> dict[str, Any]:
+    """Each process's CPU over ``seconds`` and its busiest thread (percent of one core)."""
+    found, error = procs.sample_tree(root, seconds)
+    if found is None:
+        return {"error": error}
+    out: dict[str, Any] = {}
+    for report in found.processes:
+        busiest = report.threads[0] if report.threads else None
+        out[str(report.pid)] = {
+            "title": (report.cmdline or report.comm)[:60],
+            "cpu_percent": round(100.0 * report.cpu_fraction, 1),
+            "busiest_thread": busiest.label[:60] if busiest else None,
+            "busiest_percent": round(100.0 * busiest.cpu_fraction, 1) if busiest else None,
+        }
+    return out
+
+
+class SlowWatch:
+    """Looks at the whole tree once a request has been in flight for ``after_s`` seconds:
+    CPU per process, then every process's stacks with native frames (``py-spy dump
+    --native``), for at most ``limit`` requests of a case. A slow first request is where an
+    intermittent timeout starts; this is what it was doing."""
+
+    def __init__(self, root: int, log_path: Path, after_s: float = 5.0, limit: int = 2) -> None:
+        self.root = root
+        self.log_path = log_path
+        self.after_s = after_s
+        self.limit = limit
+        self.seen: list[dict[str, Any]] = []
+        self._timer: threading.Timer | None = None
+
+    def start(self, step: str) -> None:
+        self.stop()
+        if len(self.seen) >= self.limit:
+            return
+        self._timer = threading.Timer(self.after_s, self.look, args=(step,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def stop(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def look(self, step: str) -> None:
+        """Record the tree now (the request for ``step`` has been slow)."""
+        if len(self.seen) >= self.limit:
+            return
+        safe = re.sub(r"[^\w.-]", "_", step)
+        entry: dict[str, Any] = {"step": step, "after_s": self.after_s}
+        self.seen.append(entry)
+        try:
+            entry["cpu"] = cpu_by_process(self.root)
+            out = self.log_path.with_suffix(f".slow-{safe}.txt")
+            entry["stacks"] = dump_stacks(self.root, out, native=True)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            entry["error"] = repr(exc)[:300]
 
 
 def _threads(dump: str) -> list[str]:

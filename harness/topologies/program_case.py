@@ -32,6 +32,8 @@ from harness.venvs import venv_python
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 EVENT_PREFIX = "@@topo "
+SLOW_REQUEST_S = 5.0
+"""A request in flight this long gets the processes' CPU and stacks recorded."""
 ENGINE_ARGS: dict[str, object] = {
     "load_format": "dummy",
     "enforce_eager": True,
@@ -211,6 +213,14 @@ def run_program_case(
     return rec
 
 
+def _pending(events: LogEvents, steps: list[dict[str, Any]]) -> str | None:
+    """The step the program said it is sending and has not answered yet."""
+    answered = {s["step"] for s in steps}
+    sent = [e["step"] for e in events.events if e["event"] == "sending"]
+    pending = [name for name in sent if name not in answered]
+    return pending[-1] if pending else None
+
+
 def _follow(
     events: LogEvents,
     proc: subprocess.Popen[bytes],
@@ -224,17 +234,22 @@ def _follow(
     t_start = time.monotonic()
     hang_at: float | None = None
     harness_saw_hang = False
+    watch = observe.SlowWatch(root, log_path, after_s=SLOW_REQUEST_S)
+    out["slow_requests"] = watch.seen
+    kinds = ("step", "done", "error")
     for _ in range(n_images + 2):
-        step = events.wait(("step", "done", "error"), request_timeout + 15.0, proc)
+        deadline = time.monotonic() + request_timeout + 15.0
+        step = events.wait(kinds, SLOW_REQUEST_S, proc)
+        if step is None and proc.poll() is None:
+            watch.look(_pending(events, out["steps"]) or "?")
+            step = events.wait(kinds, max(0.0, deadline - time.monotonic()), proc)
         if step is None:
             sending = [e for e in events.events if e["event"] == "sending"]
-            done_steps = {s["step"] for s in out["steps"]}
-            pending = [e for e in sending if e["step"] not in done_steps]
-            hang_at = pending[-1]["t"] if pending else time.monotonic() - request_timeout
+            hang_at = sending[-1]["t"] if sending else time.monotonic() - request_timeout
             harness_saw_hang = True
             out["steps"].append(
                 {
-                    "step": pending[-1]["step"] if pending else "?",
+                    "step": _pending(events, out["steps"]) or "?",
                     "status": "timeout",
                     "latency_s": None,
                     "detail": "no answer from the program in time",

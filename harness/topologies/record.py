@@ -71,6 +71,22 @@ def add_run(
     return row
 
 
+def rejudge(data: dict[str, Any], start_failure: Any = None) -> None:
+    """Judge every recorded run again with this checkout's rules (and, given
+    ``start_failure``, read again from its log why a case did not start)."""
+    for name, versions in data["rows"].items():
+        for row in versions.values():
+            for run in row["runs"]:
+                for key in ("without_plugin", "with_plugin", "stuck_engine"):
+                    case = run.get(key)
+                    log = Path(str((case or {}).get("log") or ""))
+                    if case and not case.get("started") and start_failure and log.is_file():
+                        case["start_failure"] = start_failure(log)
+                status, reasons, notes = evaluate_run(BY_NAME[name], run)
+                run["status"], run["reasons"], run["notes"] = status, reasons, notes
+            row.update(summarise(BY_NAME[name], row["runs"]))
+
+
 # ----------------------------------------------------------------------------- what to run
 
 

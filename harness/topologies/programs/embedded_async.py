@@ -88,6 +88,7 @@ async def run(cfg: dict[str, Any]) -> None:
                 final = out
             return final
 
+        emit("sending", step=step)
         value, outcome, took = await timed(consume(), cfg["request_timeout_s"])
         status: Any
         if outcome == "ok":
