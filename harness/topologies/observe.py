@@ -101,6 +101,17 @@ def merge_memory(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> l
     return list(by_pid.values())
 
 
+def parent(pid: int) -> int | None:
+    """The parent's pid (``/proc/PID/stat``, after the name); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
 def engine_pids(root: int) -> list[int]:
     return [pid for pid in procs.tree(root) if is_engine_core(procs.comm(pid), procs.cmdline(pid))]
 
@@ -132,15 +143,20 @@ PY_SPY = cache_root() / "venvs" / "dev" / "bin" / "py-spy"
 
 
 def dump_stacks(
-    root: int, out: Path, timeout: float = 30.0, native: bool = False
+    root: int,
+    out: Path,
+    timeout: float = 30.0,
+    native: bool = False,
+    deepest_first: bool = False,
 ) -> dict[str, Any]:
     """``py-spy dump`` of every Python process of the tree into ``out``; a short summary.
     ``native``: with C/C++ frames (where a thread waits in OpenMP or a collective)."""
     if not PY_SPY.exists():
         return {"error": f"{PY_SPY} missing"}
     summary: dict[str, Any] = {"file": str(out), "processes": {}}
+    pids = procs.tree(root)
     with open(out, "w", encoding="utf-8") as handle:
-        for pid in procs.tree(root):
+        for pid in reversed(pids) if deepest_first else pids:
             title = procs.process_name(pid)[:100]
             try:
                 res = subprocess.run(
@@ -202,16 +218,23 @@ class SlowWatch:
             timer.cancel()
 
     def look(self, step: str) -> None:
-        """Record the tree now (the request for ``step`` has been slow)."""
+        """Record the tree now (the request for ``step`` has been slow): which processes
+        there are (with their parents: a compiler or helper a worker started shows here),
+        every process's stacks, the deepest processes first (workers, then EngineCore),
+        then CPU per process over a second."""
         if len(self.seen) >= self.limit:
             return
         safe = re.sub(r"[^\w.-]", "_", step)
         entry: dict[str, Any] = {"step": step, "after_s": self.after_s}
         self.seen.append(entry)
         try:
-            entry["cpu"] = cpu_by_process(self.root)
+            entry["tree"] = [
+                {"pid": pid, "ppid": parent(pid), "title": procs.process_name(pid)[:120]}
+                for pid in procs.tree(self.root)
+            ]
             out = self.log_path.with_suffix(f".slow-{safe}.txt")
-            entry["stacks"] = dump_stacks(self.root, out, native=True)
+            entry["stacks"] = dump_stacks(self.root, out, native=True, deepest_first=True)
+            entry["cpu"] = cpu_by_process(self.root)
         except Exception as exc:  # noqa: BLE001 - recorded
             entry["error"] = repr(exc)[:300]
 

@@ -254,3 +254,27 @@ def test_fork_sitecustomize_sets_the_start_method_again_after_the_cpu_hook(
 
     assert method("fork") == "fork"
     assert method(None) == "spawn"  # without the harness's setting, vLLM's hook stands
+
+
+def test_start_failure_names_the_root_cause_not_vllms_wrapper(tmp_path: Path) -> None:
+    from harness.topologies.http_case import start_failure
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING 12-02 06:59:42 [system_utils.py:255] Found ulimit ... "
+        "`OSError: [Errno 24] Too many open files`. Consider increasing\n"
+        "(EngineCore pid=2) ERROR 12-02 07:00:27 [core.py:1510]     raise ValueError(\n"
+        "(EngineCore pid=2) ERROR 12-02 07:00:27 [core.py:1510] ValueError: current "
+        "platform cpu does not support ray.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert start_failure(log) == "ValueError: current platform cpu does not support ray."
+
+
+def test_rejudge_applies_this_checkouts_rules(tmp_path: Path) -> None:
+    run = _run(_case(GOOD))
+    run.update(shape="serve", vllm="0.32.0", status="fail", reasons=["old rule"], run=1)
+    data = {"rows": {"serve": {"0.32.0": {"runs": [run], "status": "fail"}}}}
+    record.rejudge(data)
+    row = data["rows"]["serve"]["0.32.0"]
+    assert (row["status"], run["status"], run["reasons"]) == ("pass", "pass", [])
