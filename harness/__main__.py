@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "matrix": "harness.matrix",
     "e2e-versions": "harness.venvs:print_e2e_versions",
     "pooling-memory": "harness.pooling_memory",
+    "topologies": "harness.topologies.cli",
 }
 
 
