@@ -341,7 +341,9 @@ def metrics_record(base_url: str, health_calls: int = 12) -> dict[str, Any]:
     for _ in range(health_calls):
         http_get(base_url + "/health", 30)
     time.sleep(2.5)
-    status, plugin, text = None, {}, ""
+    status: int | None = None
+    plugin: dict[str, float] = {}
+    text = ""
     for _ in range(3):  # with several API servers, each scrape may land on another one
         status, plugin, text = scrape(base_url)
         if status == 200 and plugin:

@@ -278,7 +278,9 @@ def _follow(
     health = [e for e in events.events if e["event"] == "health"]
     if health:
         # The program's clock is the machine's monotonic clock, as the harness's.
-        polls = [(e["t"], 200 if e["outcome"] == "ok" else 503, e["seconds"]) for e in health]
+        polls: list[tuple[float, int | None, float]] = [
+            (e["t"], 200 if e["outcome"] == "ok" else 503, e["seconds"]) for e in health
+        ]
         out["health"] = observe.health_summary(polls, t_start, time.monotonic(), hang_at)
         out["health"]["check"] = "AsyncLLM.check_health()"
         failures = sorted({e["outcome"][:160] for e in health if e["outcome"] != "ok"})

@@ -24,7 +24,7 @@ MARK = "_mmcache_fix_harness_start_method"
 
 def _wrap_hook(module: ModuleType) -> None:
     wanted = os.environ.get(WANTED_ENV, "")
-    cls = getattr(module, "CpuPlatform", None)
+    cls: Any = getattr(module, "CpuPlatform", None)
     hook = getattr(cls, "check_and_update_config", None) if cls is not None else None
     if not wanted or hook is None or getattr(hook, MARK, False):
         return
