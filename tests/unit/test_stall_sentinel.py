@@ -554,3 +554,50 @@ def test_the_report_keeps_the_callers_of_a_generator_the_loop_keeps_starting() -
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.parametrize(("voluntary_per_s", "reported"), [(49, False), (2, True)])
+def test_a_starved_thread_is_reported_only_if_it_hardly_ever_blocks(
+    voluntary_per_s: int, reported: bool
+) -> None:
+    """5% CPU and 94% on a CPU or waiting for one (a loaded machine): a thread that blocks
+    49 times a second is waiting on something, not spinning; one that blocks twice a second
+    (its GIL hand-offs) is spinning on a core it rarely gets."""
+    from vllm_mmcache_fix.core.procfs import ThreadCounters
+    from vllm_mmcache_fix.stall_sentinel.detect import CLOCK_TICKS, Detector
+
+    stop = threading.Event()
+
+    def stay_here() -> None:
+        while not stop.is_set():
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=stay_here, name="starved")
+    thread.start()
+    now, seconds = [0.0], [0]
+
+    def counters(native_id: int) -> ThreadCounters:
+        if native_id != thread.native_id:
+            return ThreadCounters(0, 0, 0, None)
+        n = seconds[0]
+        ticks = int(0.05 * CLOCK_TICKS * n)
+        return ThreadCounters(ticks, voluntary_per_s * n, 300 * n, int(0.94e9 * n))
+
+    stalls: list = []
+    detector = Detector(
+        threshold_s=2.0,
+        on_stall=stalls.append,
+        read_counters=counters,
+        clock=lambda: now[0],
+        ignore_idents={threading.get_ident()},
+    )
+    try:
+        for _ in range(6):
+            detector.sample()
+            time.sleep(0.02)
+            now[0] += 1.0
+            seconds[0] += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert bool(stalls) is reported, stalls
