@@ -155,3 +155,37 @@ def test_release_class_hangs_where_expected(outcomes: dict, case: tuple[str, str
     # Eviction and clear were never hardened upstream: a planted ghost stalls both.
     assert out["unpatched_planted_hangs"] is True, out
     assert out["unpatched_planted_clear_hangs"] is True, out
+
+
+TOUCH = """
+from harness import realsrc
+from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
+
+LRU = realsrc.load_lru_module(VERSION).LRUCache
+fixed = fixed_lru_class(LRU)
+cache = fixed(1000, getsizeof=lambda value: 1)
+cache["a"], cache["b"] = 1, 2
+cache.touch("a")  # a hit moves the key to the newest end
+cache.touch("missing")  # a miss adds nothing
+own = LRU(1000, getsizeof=lambda value: 1)
+own.touch("missing")
+print("RESULT", json.dumps({
+    "order": list(cache._LRUCache__order),
+    "own_adds": "missing" in own._LRUCache__order,
+    "order_first": fixed.touch.__name__ == "_mmfix_touch_order_first",
+}))
+"""
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.32.0"])
+def test_touch_takes_the_releases_cheaper_path_and_never_adds(version: str) -> None:
+    """Where the release's own touch moves first and adds a missing key (<= 0.23), the
+    fixed touch moves first too (a hit costs what vLLM's costs); elsewhere it checks
+    membership first, as the release does. Neither adds a missing key."""
+    code = f"import json\nVERSION = {version!r}\n" + TOUCH
+    result = realsrc.run_snippet(code, None, timeout=60).check()
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line[len("RESULT ") :])
+    assert got["order"] == ["b", "a"], got
+    assert got["order_first"] is got["own_adds"], got
+    assert got["own_adds"] is (version == "0.23.0"), got

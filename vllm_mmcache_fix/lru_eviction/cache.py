@@ -112,6 +112,16 @@ class FixedLRUMixin:
             except KeyError:
                 self._mmfix_touch_data_only(key)
 
+    def _mmfix_touch_order_first(self, key: Hashable) -> None:
+        # ``touch`` for a vLLM whose own touch moves first and adds on KeyError (<= 0.23):
+        # a hit costs what vLLM's costs; a miss pays the KeyError vLLM's pays too, and
+        # adds nothing. A key already order-only is moved, as vLLM does; popitem drops it.
+        try:
+            self._LRUCache__order.move_to_end(key)
+        except KeyError:
+            if key in self._Cache__data:
+                self._mmfix_touch_data_only(key)
+
     def popitem(self, remove_pinned: bool = False) -> tuple[Hashable, Any]:
         order = self._LRUCache__order
         data = self._Cache__data
@@ -236,6 +246,17 @@ _fixed_classes: dict[type, type] = {}
 _fixed_classes_lock = threading.Lock()
 
 
+def _touch_adds_missing_keys(base: type) -> bool:
+    """Whether ``base``'s own ``touch`` moves a key first and adds it when missing (vLLM
+    <= 0.23, the ghost's origin); False when that cannot be told."""
+    from .probe import probe_touch
+
+    try:
+        return probe_touch(base)
+    except Exception:
+        return False
+
+
 def fixed_lru_class(base: type) -> type:
     """Return the fixed subclass of ``base`` (one per base class, built once)."""
     if getattr(base, MARKER, False):
@@ -249,6 +270,9 @@ def fixed_lru_class(base: type) -> type:
             namespace.update(
                 {MARKER: True, BASE_ATTR: base, "__module__": __name__, "__doc__": base.__doc__}
             )
+            if _touch_adds_missing_keys(base):
+                # Same behaviour, the base's cost on a hit (see _mmfix_touch_order_first).
+                namespace["touch"] = FixedLRUMixin._mmfix_touch_order_first
             cls = type("Fixed" + base.__name__, (base,), namespace)
             _fixed_classes[base] = cls
         return cls
