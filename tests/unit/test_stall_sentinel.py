@@ -424,16 +424,22 @@ def _intervals(detector: Any, now: list[float], ticks: list[int], busy_plan: lis
         detector.sample()
 
 
-def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
-    """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
+def _staying_thread(name: str) -> tuple[threading.Event, threading.Thread]:
+    """A started thread that stays inside one call (short waits) until the event is set."""
     stop = threading.Event()
 
     def stay_here() -> None:
         while not stop.is_set():
             stop.wait(0.01)
 
-    thread = threading.Thread(target=stay_here, name="stays")
+    thread = threading.Thread(target=stay_here, name=name)
     thread.start()
+    return stop, thread
+
+
+def test_a_starved_interval_after_the_warning_does_not_start_a_second_one() -> None:
+    """The thread stays in its call; one interval shows it idle (the core went elsewhere)."""
+    stop, thread = _staying_thread("stays")
     try:
         busy_plan = [True] * 4 + [False] + [True] * 6
         detector, stalls, now, ticks = _driven_detector(thread)
@@ -566,14 +572,7 @@ def test_a_starved_thread_is_reported_only_if_it_hardly_ever_blocks(
     from vllm_mmcache_fix.core.procfs import ThreadCounters
     from vllm_mmcache_fix.stall_sentinel.detect import CLOCK_TICKS, Detector
 
-    stop = threading.Event()
-
-    def stay_here() -> None:
-        while not stop.is_set():
-            stop.wait(0.01)
-
-    thread = threading.Thread(target=stay_here, name="starved")
-    thread.start()
+    stop, thread = _staying_thread("starved")
     now, seconds = [0.0], [0]
 
     def counters(native_id: int) -> ThreadCounters:
