@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -386,10 +387,13 @@ def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -
     assert status["stalls"] == 0  # the parent saw none of its own
 
 
-def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], list[int]]:
+def _driven_detector(
+    thread: threading.Thread, shown: Callable[[float], Any] | None = None
+) -> tuple[Any, list, list[float], list[int]]:
     """A detector on a clock and CPU counters the test moves: (detector, stalls, now, ticks).
 
-    ``thread`` shows ``ticks[0]`` clock ticks of CPU; every other thread none.
+    ``thread`` shows ``ticks[0]`` clock ticks of CPU (or ``shown(now)``, its counters at the
+    test clock's time); every other thread none.
     """
     from vllm_mmcache_fix.core.procfs import ThreadCounters
     from vllm_mmcache_fix.stall_sentinel.detect import Detector
@@ -398,7 +402,7 @@ def _driven_detector(thread: threading.Thread) -> tuple[Any, list, list[float], 
 
     def counters(native_id: int) -> ThreadCounters:
         if native_id == thread.native_id:
-            return ThreadCounters(ticks[0], 0, 0, None)
+            return shown(now[0]) if shown else ThreadCounters(ticks[0], 0, 0, None)
         return ThreadCounters(0, 0, 0, None)
 
     stalls: list = []
@@ -570,32 +574,20 @@ def test_a_starved_thread_is_reported_only_if_it_hardly_ever_blocks(
     49 times a second is waiting on something, not spinning; one that blocks twice a second
     (its GIL hand-offs) is spinning on a core it rarely gets."""
     from vllm_mmcache_fix.core.procfs import ThreadCounters
-    from vllm_mmcache_fix.stall_sentinel.detect import CLOCK_TICKS, Detector
+    from vllm_mmcache_fix.stall_sentinel.detect import CLOCK_TICKS
 
-    stop, thread = _staying_thread("starved")
-    now, seconds = [0.0], [0]
-
-    def counters(native_id: int) -> ThreadCounters:
-        if native_id != thread.native_id:
-            return ThreadCounters(0, 0, 0, None)
-        n = seconds[0]
+    def shown(now: float) -> ThreadCounters:
+        n = int(now)
         ticks = int(0.05 * CLOCK_TICKS * n)
         return ThreadCounters(ticks, voluntary_per_s * n, 300 * n, int(0.94e9 * n))
 
-    stalls: list = []
-    detector = Detector(
-        threshold_s=2.0,
-        on_stall=stalls.append,
-        read_counters=counters,
-        clock=lambda: now[0],
-        ignore_idents={threading.get_ident()},
-    )
+    stop, thread = _staying_thread("starved")
+    detector, stalls, now, _ = _driven_detector(thread, shown)
     try:
         for _ in range(6):
             detector.sample()
             time.sleep(0.02)
             now[0] += 1.0
-            seconds[0] += 1
     finally:
         stop.set()
         thread.join()
