@@ -68,6 +68,17 @@ def process_name(pid: int) -> str:
 # ----------------------------------------------------------------------------- tree
 
 
+def parent(pid: int) -> int | None:
+    """The parent's pid (``/proc/PID/stat``, after the name); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
 def tree(root: int) -> list[int]:
     """``root`` and its descendants, parents first."""
     try:

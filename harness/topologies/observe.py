@@ -101,17 +101,6 @@ def merge_memory(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> l
     return list(by_pid.values())
 
 
-def parent(pid: int) -> int | None:
-    """The parent's pid (``/proc/PID/stat``, after the name); None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 else None
-
-
 def engine_pids(root: int) -> list[int]:
     return [pid for pid in procs.tree(root) if is_engine_core(procs.comm(pid), procs.cmdline(pid))]
 
@@ -229,7 +218,7 @@ class SlowWatch:
         self.seen.append(entry)
         try:
             entry["tree"] = [
-                {"pid": pid, "ppid": parent(pid), "title": procs.process_name(pid)[:120]}
+                {"pid": pid, "ppid": procs.parent(pid), "title": procs.process_name(pid)[:120]}
                 for pid in procs.tree(self.root)
             ]
             out = self.log_path.with_suffix(f".slow-{safe}.txt")
