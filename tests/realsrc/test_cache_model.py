@@ -200,8 +200,11 @@ class Model:
     missing from ``order``. Without planted desync this is a plain LRU.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, order_first_touch: bool = False) -> None:
         self.capacity = capacity
+        self.order_first_touch = order_first_touch
+        """The release's own touch moves first (<= 0.23): so does the fixed one, and an
+        order-only key it meets is moved too (never added)."""
         self.order: OrderedDict[str, None] = OrderedDict()
         self.data: dict[str, Val] = {}
         self.pinned: set[str] = set()
@@ -325,7 +328,11 @@ class Model:
         return self.data[key]
 
     def touch(self, key: str) -> None:
-        # A key without data is left alone, an order-only one included.
+        if self.order_first_touch and key in self.order:
+            self.order.move_to_end(key)
+            return
+        # A key without data is left alone (an order-only one included, where the
+        # release's own touch checks membership first).
         if key in self.data:
             if key in self.order:
                 self.order.move_to_end(key)
@@ -401,7 +408,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.base = realsrc.load_lru_module(self.VERSION).LRUCache
         self.fixed = Harness(fixed_lru_class(self.base), capacity)
         self.plain = Harness(self.base, capacity)
-        self.model = Model(capacity)
+        self.model = Model(capacity, order_first_touch=self.VERSION in GHOST_TOUCH_VERSIONS)
 
     def _val(self, key: str, size: int) -> Val:
         self.serial += 1
