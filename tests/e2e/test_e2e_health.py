@@ -93,7 +93,8 @@ def test_health_stays_200_with_the_fix(fixed_with_short_thresholds: WatchedRepla
     assert m[ENGINE_SERIES] == 1, report
     assert m.get(names.ROLLBACKS, 0) >= 1, report  # request (a) was rolled back
     assert not any(k.startswith(names.ROUND_TRIPS_FAILED) and v for k, v in m.items()), report
-    assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 5, report  # a heartbeat every 2 s
+    # The heartbeat repeats (every 2 s; a fast replay and its inspection last about 6 s).
+    assert m[f"{names.ROUND_TRIP_SECONDS}_count"] >= 2, report
     status = inspection["status_cli"]
     assert (status["rc"], status.get("verdict")) == (0, "protected"), report + str(status)
 

@@ -3,7 +3,7 @@
 The script's own process is neither an API server nor an EngineCore: the plugin is loaded
 there (vLLM loads general plugins in every process) but starts no thread of its own. Its
 EngineCore (a process of its own) is identified by its busy loop and runs the sentinel.
-Runs a real engine (tiny Qwen2-VL, dummy weights), so it holds the server lock.
+Runs a real engine (tiny Qwen2-VL, dummy weights) under the server lock the tier holds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from harness import tiny_models
-from harness.lock import ServerLock
 from harness.server import MAX_MODEL_LEN, preload_env, server_env
 from harness.venvs import e2e_versions, set_plugin, venv_python
 from vllm_mmcache_fix.core.messages import PREFIX, STALL_SENTINEL_ACTIVE
@@ -57,16 +56,17 @@ def test_no_sentinel_or_heartbeat_in_an_llm_script(
     script.write_text(SCRIPT)
     env = server_env(preload_env(venv))
     env["MMCACHE_FIX_STALL_SECONDS"] = "10"
-    with ServerLock().hold(purpose="offline LLM liveness test"):
-        set_plugin(venv, plugin_wheel)
-        proc = subprocess.run(
-            [str(venv_python(venv)), str(script), str(model), str(MAX_MODEL_LEN)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env=env,
-            cwd=str(tmp_path),
-        )
+    # The engine runs under the server lock the installed tier holds for each module
+    # (tests/installed/conftest.py).
+    set_plugin(venv, plugin_wheel)
+    proc = subprocess.run(
+        [str(venv_python(venv)), str(script), str(model), str(MAX_MODEL_LEN)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=str(tmp_path),
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))

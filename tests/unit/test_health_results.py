@@ -8,7 +8,13 @@ must be what they render, and the doc's metrics table must list exactly the metr
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
+import time
+from typing import Any
+
+import pytest
 
 from harness import health_load
 from harness.paths import REPO_ROOT
@@ -101,3 +107,23 @@ def test_the_checks_catch_a_run_that_misses_a_bar() -> None:
     got = health_load.checks(plugin, runs)
     assert not any(got[k] for k in ("load_no_failure", "load_p99", "stuck_503_in_time"))
     assert not got["stuck_recovers"]
+
+
+def _child(queue: Any) -> None:
+    queue.put(os.getpid())
+    time.sleep(3)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_start_method_is_read_from_the_process(method: str) -> None:
+    """What health-load records as the engine's start method, on real children."""
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(queue,))
+    child.start()
+    try:
+        pid = queue.get(timeout=60)
+        assert health_load.start_method(pid) == method
+    finally:
+        child.terminate()
+        child.join()
