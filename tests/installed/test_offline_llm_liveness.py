@@ -26,22 +26,30 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, threading, time
     from vllm import LLM, SamplingParams
-    llm = LLM(
-        model=sys.argv[1], load_format="dummy", enforce_eager=True, max_model_len=int(sys.argv[2]),
-        max_num_seqs=2, mm_processor_cache_gb=0.001, limit_mm_per_prompt={"image": 1, "video": 0},
-    )
-    out = llm.generate(["Say hello."], SamplingParams(max_tokens=2))
-    time.sleep(2.5)  # EngineCore's sentinel announces itself after its first sample
-    import vllm_mmcache_fix
-    status = vllm_mmcache_fix.status()
-    print("RESULT " + json.dumps({
-        "generated": len(out),
-        "threads": sorted(t.name for t in threading.enumerate()),
-        "sentinel": status["stall_sentinel"],
-        "metrics": status["fixes"]["plugin-metrics"],
-        "heartbeats": status["fixes"]["engine-liveness-health"]["engines"],
-        "answer_engines": status["fixes"]["engine-liveness-answer"]["engines"],
-    }), flush=True)
+
+
+    def main():
+      llm = LLM(
+          model=sys.argv[1], load_format="dummy", enforce_eager=True,
+          max_model_len=int(sys.argv[2]), max_num_seqs=2, mm_processor_cache_gb=0.001,
+          limit_mm_per_prompt={"image": 1, "video": 0},
+      )
+      out = llm.generate(["Say hello."], SamplingParams(max_tokens=2))
+      time.sleep(2.5)  # EngineCore's sentinel announces itself after its first sample
+      import vllm_mmcache_fix
+      status = vllm_mmcache_fix.status()
+      print("RESULT " + json.dumps({
+          "generated": len(out),
+          "threads": sorted(t.name for t in threading.enumerate()),
+          "sentinel": status["stall_sentinel"],
+          "metrics": status["fixes"]["plugin-metrics"],
+          "heartbeats": status["fixes"]["engine-liveness-health"]["engines"],
+          "answer_engines": status["fixes"]["engine-liveness-answer"]["engines"],
+      }), flush=True)
+
+
+    if __name__ == "__main__":  # vLLM's CPU platform spawns EngineCore: it imports this file
+      main()
     """
 )
 
