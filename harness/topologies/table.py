@@ -164,11 +164,16 @@ def render_summary_block(data: dict[str, Any]) -> str:
     return f"{SUMMARY_BEGIN}\n{render_summary(data)}\n{SUMMARY_END}"
 
 
-def summary_block(text: str) -> str | None:
-    start, end = text.find(SUMMARY_BEGIN), text.find(SUMMARY_END)
+def _block(text: str, begin: str, end_marker: str) -> str | None:
+    """The generated part of ``text``, markers included; None when it has none."""
+    start, end = text.find(begin), text.find(end_marker)
     if start < 0 or end < start:
         return None
-    return text[start : end + len(SUMMARY_END)]
+    return text[start : end + len(end_marker)]
+
+
+def summary_block(text: str) -> str | None:
+    return _block(text, SUMMARY_BEGIN, SUMMARY_END)
 
 
 def render_block(data: dict[str, Any]) -> str:
@@ -176,10 +181,7 @@ def render_block(data: dict[str, Any]) -> str:
 
 
 def doc_block(text: str) -> str | None:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        return None
-    return text[start : end + len(END)]
+    return _block(text, BEGIN, END)
 
 
 def rewrite_doc(data: dict[str, Any], path: Path = DOC, readme: Path = README) -> bool:
