@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
 
 REQUIRED = ("3.9", "3.10", "3.11", "3.12", "3.13")
@@ -110,11 +111,8 @@ def venv_for(version: str, python: Path) -> Path:
         shutil.rmtree(venv)
     _log(f"creating {venv} with {python}")
     subprocess.run([str(python), "-m", "venv", str(venv)], check=True)
-    subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-        + ["--disable-pip-version-check", *REQUIREMENTS],
-        check=True,
-    )
+    argv, env = install_command(venv / "bin" / "python", "--quiet", *REQUIREMENTS)
+    subprocess.run(argv, env=env, check=True)
     marker.write_text(json.dumps(want) + "\n")
     return venv
 

@@ -50,6 +50,7 @@ import zipfile
 from pathlib import Path
 from typing import cast
 
+from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
 
 MARKER_NAME = ".mmcache-fix-venv.json"
@@ -205,6 +206,12 @@ def _pip(venv: Path, *args: str, capture: bool = False) -> str:
     return ""
 
 
+def _install(venv: Path, *args: str) -> None:
+    """Install into ``venv`` with uv when it is there, else with the venv's pip."""
+    argv, env = install_command(venv_python(venv), "--quiet", *args)
+    _run(argv, env=env)
+
+
 def _wheel_metadata(wheel: Path) -> email.message.Message:
     with zipfile.ZipFile(wheel) as zf:
         names = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
@@ -335,10 +342,10 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
 
     if cpu_torch:
         # A "+cpu" build from find-links wins over the index build.
-        _pip(venv, "install", "--quiet", f"torch=={torch_base}")
+        _install(venv, f"torch=={torch_base}")
     else:
         # "===" matches the version string exactly, so no "+cpu" local build is taken.
-        _pip(venv, "install", "--quiet", f"torch==={torch_base}", "torchvision")
+        _install(venv, f"torch==={torch_base}", "torchvision")
     torch_version = venv_dist_version(venv, "torch")
     if torch_version is None:
         raise RuntimeError("torch did not install")
@@ -365,11 +372,11 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
         reqs.append(f"torchvision=={torchvision_version}")
     req_file = venv / "mmcache-fix-requirements.txt"
     req_file.write_text("\n".join(reqs) + "\n")
-    _pip(venv, "install", "--quiet", "-r", str(req_file))
-    _pip(venv, "install", "--quiet", "--no-deps", str(vllm_wheel))
+    _install(venv, "-r", str(req_file))
+    _install(venv, "--no-deps", str(vllm_wheel))
     with tempfile.TemporaryDirectory() as tmp:
         alias = _build_alias_wheel(version, Path(tmp))
-        _pip(venv, "install", "--quiet", "--no-deps", str(alias))
+        _install(venv, "--no-deps", str(alias))
     t = lap("requirements", t)
 
     keep = {"torch", "torchvision"} if torchvision_version else {"torch"}

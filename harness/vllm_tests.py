@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
 from harness.sources import file_sha256
 from harness.venvs import VenvMissing, complete_venv, e2e_versions, venv_python
@@ -345,7 +346,12 @@ def ensure_test_requirements(venv: Path) -> list[str]:
     dists = [dist for module, dist in TEST_REQUIREMENTS if module in missing]
     if dists:
         _log(f"installing {' '.join(dists)} into {venv}")
-        _pip(python, "install", *dists)
+        argv, env = install_command(python, "-q", *dists)
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, env=env, check=False, timeout=PIP_TIMEOUT_S
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"installing {' '.join(dists)} failed: {proc.stderr[-600:]}")
     return dists
 
 

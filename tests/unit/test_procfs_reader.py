@@ -65,6 +65,7 @@ def test_the_reader_reads_what_python_reads() -> None:
         procfs.read_own_thread(2**22 + 12345)
 
 
+@pytest.mark.realtime
 def test_reading_threads_does_not_make_a_spinning_thread_wait() -> None:
     assert "_gil_holding_reader" in procfs._read_bytes.__qualname__, "no GIL-holding reader"
     held = _switches("held")

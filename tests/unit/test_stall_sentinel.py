@@ -105,6 +105,7 @@ def _stall_records(stderr: str) -> list[str]:
     return records
 
 
+@pytest.mark.realtime
 def test_a_thread_spinning_in_one_function_gets_one_warning_with_its_stack() -> None:
     status, err = _run(
         """
@@ -130,6 +131,7 @@ def test_a_thread_spinning_in_one_function_gets_one_warning_with_its_stack() -> 
     assert status["samples"] >= 6
 
 
+@pytest.mark.realtime
 def test_a_thread_that_moves_on_and_stalls_again_is_reported_again() -> None:
     status, err = _run(
         """
@@ -144,6 +146,7 @@ def test_a_thread_that_moves_on_and_stalls_again_is_reported_again() -> None:
     assert status["stalls"] == 2
 
 
+@pytest.mark.realtime
 def test_idle_sleeping_and_blocked_threads_are_not_reported() -> None:
     status, err = _run(
         """
@@ -164,6 +167,7 @@ def test_idle_sleeping_and_blocked_threads_are_not_reported() -> None:
     assert status["stalls"] == 0 and status["samples"] >= 5 and status["running"]
 
 
+@pytest.mark.realtime
 def test_a_busy_thread_that_blocks_often_is_not_reported() -> None:
     """CPU-bound bursts with a blocking wait in between: voluntary switches are not flat."""
     status, err = _run(
@@ -183,6 +187,7 @@ def test_a_busy_thread_that_blocks_often_is_not_reported() -> None:
     assert status["stalls"] == 0
 
 
+@pytest.mark.realtime
 def test_injected_fault_stops_the_sentinel_after_one_line_and_the_program_goes_on() -> None:
     status, err = _run(
         """
@@ -204,6 +209,7 @@ def test_injected_fault_stops_the_sentinel_after_one_line_and_the_program_goes_o
     assert status["internal_errors"] == {"stall.sample": 1}
 
 
+@pytest.mark.realtime
 def test_an_exception_inside_the_sampler_stops_it_quietly() -> None:
     status, err = _run(
         """
@@ -254,6 +260,7 @@ def test_good_thresholds() -> None:
     assert read_stall_seconds({ENV_STALL_SECONDS: "0"}).value == 0
 
 
+@pytest.mark.realtime
 def test_an_unidentified_process_runs_no_sentinel() -> None:
     """A user's ``LLM(...)`` script, a launcher, a worker: installed, never started."""
     status, err = _run(
@@ -270,6 +277,7 @@ def test_an_unidentified_process_runs_no_sentinel() -> None:
     assert STALL_SENTINEL_ACTIVE not in err
 
 
+@pytest.mark.realtime
 def test_a_long_call_elsewhere_is_reported_as_busy_not_as_the_cache_bug() -> None:
     status, err = _run(
         """
@@ -313,6 +321,7 @@ t.start(); t.join()
 '''
 
 
+@pytest.mark.realtime
 def test_a_stall_in_the_caches_eviction_names_the_bug() -> None:
     """A spin in ``popitem`` called by ``__setitem__``, both in cachetools' files."""
     status, err = _run(CACHE_BODY, {ENV_STALL_SECONDS: "2"})
@@ -375,6 +384,7 @@ for name, identified in (("EngineCore", True), ("VllmWorker-0", False)):
 """
 
 
+@pytest.mark.realtime
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_engine_core_gets_its_own_sentinel_and_a_forked_worker_none() -> None:
     """vLLM forks EngineCore from the API server and calls no plugin again there: the child
