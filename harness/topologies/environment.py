@@ -13,7 +13,7 @@ from harness.lock import held_here
 from harness.server import preload_env
 from harness.topologies.shapes import FORK, Shape
 from harness.venvs import plugin_disabled_env, venv_dist_version, venv_python
-from vllm_mmcache_fix.core.settings import ENV_MODE
+from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
 
 FORK_SITE = Path(__file__).resolve().parent / "fork_site"
 START_METHOD_ENV = "MMCACHE_FIX_HARNESS_START_METHOD"
@@ -22,6 +22,9 @@ platform hook forced spawn."""
 STUCK_MODE = "warn"
 """``MMCACHE_FIX_MODE=warn``: the plugin loads (liveness, metrics, sentinel) but leaves the
 caches as vLLM builds them, so the incident freezes EngineCore on vLLM <= 0.23."""
+STUCK_HEALTH_TIMEOUT_S = 10
+"""``MMCACHE_FIX_HEALTH_TIMEOUT`` of the stuck-engine case: short enough that ``/health``
+turns 503 while the case still watches the frozen server (the default is 60 s)."""
 
 
 def case_env(
@@ -44,6 +47,7 @@ def case_env(
         env.update(plugin_disabled_env(venv))
     if stuck:
         env[ENV_MODE] = STUCK_MODE
+        env[ENV_HEALTH_TIMEOUT] = str(STUCK_HEALTH_TIMEOUT_S)
     return env
 
 

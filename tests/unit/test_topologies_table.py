@@ -294,3 +294,16 @@ def test_rejudge_applies_this_checkouts_rules(tmp_path: Path) -> None:
     record.rejudge(data)
     row = data["rows"]["serve"]["0.32.0"]
     assert (row["status"], run["status"], run["reasons"]) == ("pass", "pass", [])
+
+
+def test_the_stuck_engine_case_turns_health_503_while_it_watches(tmp_path: Path) -> None:
+    from harness.topologies import environment
+    from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE, MIN_HEALTH_TIMEOUT
+
+    venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    stuck = environment.case_env(shape("serve"), venv, "0.23.0", plugin=True, stuck=True)
+    assert stuck[ENV_MODE] == "warn"
+    assert MIN_HEALTH_TIMEOUT <= float(stuck[ENV_HEALTH_TIMEOUT]) <= 15
+    plain = environment.case_env(shape("serve"), venv, "0.23.0", plugin=True)
+    assert ENV_MODE not in plain and ENV_HEALTH_TIMEOUT not in plain
