@@ -347,22 +347,23 @@ def ensure_test_requirements(venv: Path) -> list[str]:
     if dists:
         _log(f"installing {' '.join(dists)} into {venv}")
         argv, env = install_command(python, "-q", *dists)
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, env=env, check=False, timeout=PIP_TIMEOUT_S
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"installing {' '.join(dists)} failed: {proc.stderr[-600:]}")
+        _checked(argv, f"installing {' '.join(dists)}", env)
     return dists
 
 
 def _pip(python: Path, *args: str, env: dict[str, str] | None = None) -> None:
     cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    _checked(cmd, f"pip {' '.join(args[:2])}", env)
+
+
+def _checked(cmd: list[str], what: str, env: dict[str, str] | None) -> None:
+    """Run an install command; on failure raise with the last lines of what it said."""
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=env, check=False, timeout=PIP_TIMEOUT_S
     )
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if "is ignored" not in ln]
-        raise RuntimeError(f"pip {' '.join(args[:2])} failed: " + " | ".join(lines[-6:]))
+        raise RuntimeError(f"{what} failed: " + " | ".join(lines[-6:]))
 
 
 # --------------------------------------------------------------------------- sdist
