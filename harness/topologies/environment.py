@@ -32,7 +32,7 @@ def case_env(
 ) -> dict[str, str]:
     """Extra environment (on top of :func:`harness.server.server_env`) for one case."""
     env = dict(preload_env(venv, version))
-    env.update(dict(shape.env))
+    env.update(shape.env_for(version))
     if shape.start_method == FORK:
         if env.get("PYTHONPATH"):
             # Each directory holds a sitecustomize; Python imports only the first.

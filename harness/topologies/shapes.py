@@ -42,6 +42,8 @@ class Shape:
     args: tuple[str, ...] = ()
     """Server arguments after the harness's defaults (or engine arguments, for programs)."""
     env: tuple[tuple[str, str], ...] = ()
+    env_until: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(last release, environment): more environment for that release and the older ones."""
     start_method: str = SPAWN
     api_servers: int = 1
     engines: int = 1
@@ -50,6 +52,16 @@ class Shape:
     note: str = ""
     engine_args: dict[str, object] = field(default_factory=dict)
     """For programs: keyword arguments of ``AsyncEngineArgs`` / ``LLM`` beyond the defaults."""
+
+    def env_for(self, version: str) -> dict[str, str]:
+        """The shape's environment on ``version``."""
+        from harness.matrix import version_key
+
+        env = dict(self.env)
+        for last, extra in self.env_until:
+            if version_key(version) <= version_key(last):
+                env.update(dict(extra))
+        return env
 
     @property
     def is_http(self) -> bool:
@@ -99,8 +111,12 @@ SHAPES: tuple[Shape, ...] = (
         "`--data-parallel-size 2` (internal load balancing)",
         SERVE,
         args=("--data-parallel-size", "2"),
+        env_until=(("0.23.0", tuple(TP2_BIND.items())),),
         api_servers=2,
         engines=2,
+        note="on 0.23.0 VLLM_CPU_OMP_THREADS_BIND=0|1 (one core per DP rank): its automatic "
+        "binding wants a NUMA node per rank and refuses to start on this one-node machine "
+        "('Not enough allowed NUMA nodes'); 0.32.0 starts with vLLM's default",
     ),
     Shape(
         "api2",

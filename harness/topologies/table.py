@@ -176,8 +176,17 @@ def summary_block(text: str) -> str | None:
     return _block(text, SUMMARY_BEGIN, SUMMARY_END)
 
 
+def render_notes() -> str:
+    """What the harness does beyond the harness's defaults for a shape, one line each."""
+    lines = ["How shapes are started beyond the harness's defaults:", ""]
+    for shape in SHAPES:
+        if shape.note:
+            lines.append(f"- {shape.title}: {shape.note}.")
+    return "\n".join(lines)
+
+
 def render_block(data: dict[str, Any]) -> str:
-    return f"{BEGIN}\n{render_table(data)}\n{END}"
+    return f"{BEGIN}\n{render_table(data)}\n\n{render_notes()}\n{END}"
 
 
 def doc_block(text: str) -> str | None:
