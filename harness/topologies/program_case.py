@@ -25,10 +25,10 @@ from harness import procs, tiny_models
 from harness.lock import ServerLock
 from harness.logscan import log_markers
 from harness.payloads import SHORT_TEXT, make_png
-from harness.server import MAX_MODEL_LEN, server_env
+from harness.server import MAX_MODEL_LEN, server_env, skips_mm_profiling
 from harness.topologies import observe
 from harness.topologies.shapes import EMBEDDED, Shape
-from harness.venvs import venv_python
+from harness.venvs import venv_python, venv_vllm_version
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 EVENT_PREFIX = "@@topo "
@@ -101,7 +101,13 @@ class LogEvents:
 
 
 def write_config(
-    shape: Shape, model: Path, work: Path, *, n_images: int, request_timeout: float
+    shape: Shape,
+    model: Path,
+    work: Path,
+    *,
+    n_images: int,
+    request_timeout: float,
+    skip_mm_profiling: bool = False,
 ) -> Path:
     images = []
     for i in range(n_images + 1):
@@ -110,7 +116,11 @@ def write_config(
         images.append(str(path))
     cfg = {
         "model": str(model),
-        "engine_args": {**ENGINE_ARGS, **shape.engine_args},
+        "engine_args": {
+            **ENGINE_ARGS,
+            **({"skip_mm_profiling": True} if skip_mm_profiling else {}),
+            **shape.engine_args,
+        },
         "images": images,
         "words": list(tiny_models.model_module().WORDS),
         "target_tokens": MAX_MODEL_LEN - 7,
@@ -146,7 +156,14 @@ def run_program_case(
     upto: int | None = None
     with tempfile.TemporaryDirectory(prefix="topologies-") as tmp:
         work = Path(tmp)
-        cfg = write_config(shape, model, work, n_images=n_images, request_timeout=request_timeout)
+        cfg = write_config(
+            shape,
+            model,
+            work,
+            n_images=n_images,
+            request_timeout=request_timeout,
+            skip_mm_profiling=skips_mm_profiling(venv_vllm_version(venv)),
+        )
         try:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(

@@ -32,9 +32,14 @@ def _log(msg: str) -> None:
     print(f"[topologies {stamp}] {msg}", file=sys.stderr, flush=True)
 
 
-def cases(shape: Shape, version: str, quick: bool) -> list[tuple[str, bool, bool]]:
-    """(record key, plugin loaded, stuck engine) for each case of a run."""
-    out = [("without_plugin", False, False), ("with_plugin", True, False)]
+def cases(
+    shape: Shape, version: str, quick: bool, plugin_only: bool = False
+) -> list[tuple[str, bool, bool]]:
+    """(record key, plugin loaded, stuck engine) for each case of a run; ``plugin_only``
+    leaves out the case without the plugin (vLLM's own behaviour, which full runs record)."""
+    out = [("with_plugin", True, False)]
+    if not plugin_only:
+        out.insert(0, ("without_plugin", False, False))
     if version == STUCK_VERSION and not quick and shape.entry not in (OFFLINE, POOLING):
         out.append(("stuck_engine", True, True))
     return out
@@ -108,6 +113,7 @@ def run_shape(
     wheel: Path,
     commit: str,
     quick: bool = False,
+    plugin_only: bool = False,
     n_images: int = 20,
     request_timeout: float = 20.0,
     pooling_requests: int = 1000,
@@ -121,12 +127,13 @@ def run_shape(
         "plugin_commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "quick": quick,
+        "plugin_only": plugin_only,
         "transformers": venv_dist_version(venv, "transformers"),
         "torch": venv_dist_version(venv, "torch"),
     }
     if quick:
         pooling_requests = min(pooling_requests, 200)
-    for key, plugin, stuck in cases(shape, version, quick):
+    for key, plugin, stuck in cases(shape, version, quick, plugin_only):
         if stuck and not (run.get("with_plugin") or {}).get("started"):
             continue
         _log(f"{shape.name} {version}: {key}")

@@ -13,7 +13,7 @@ from harness.paths import REPO_ROOT
 
 RESULTS = REPO_ROOT / "compat" / "pooling_memory.json"
 KEY = "0.32.0/1000"
-SLACK_MIB = 8.0  # as in tests/e2e/test_e2e_pooling.py
+SLACK_MIB = 8.0
 
 
 def _signed(value: float) -> str:
