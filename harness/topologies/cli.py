@@ -7,6 +7,7 @@ Usage::
     scripts/topologies --versions 0.32.0        one release
     scripts/topologies --budget-minutes 60      start no run that does not fit
     scripts/topologies --refresh-older-than C   redo runs made with a plugin older than C
+    scripts/topologies --only tp2 --repeat 3 --retry-unverified   try a shape that did not start
     scripts/topologies --table                  rewrite docs/topologies.md from the file
     scripts/topologies --rotate 1 --quick --with-plugin-only --no-record --json out.json
                                                 CI: one shape by commit, with the plugin
@@ -85,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--refresh-older-than", default=None, metavar="COMMIT")
     ap.add_argument(
+        "--retry-unverified",
+        action="store_true",
+        help="run shapes that did not start again, up to --repeat runs",
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="no stuck-engine case, 200 pooling "
@@ -152,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             todo = [(n, v) for n in names for v in versions]
         else:
-            todo = record.runs_wanted(data, names, versions, repeat, args.refresh_older_than)
+            todo = record.runs_wanted(
+                data,
+                names,
+                versions,
+                repeat,
+                args.refresh_older_than,
+                retry_unverified=args.retry_unverified,
+            )
     _log(f"plugin commit {commit[:12]}; runs to do: {len(todo)}: {todo}")
     deadline = None if args.budget_minutes is None else time.monotonic() + args.budget_minutes * 60
     done: list[dict[str, Any]] = []

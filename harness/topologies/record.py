@@ -126,16 +126,19 @@ def runs_wanted(
     versions: list[str],
     repeat: dict[str, int],
     refresh_older_than: str | None = None,
+    retry_unverified: bool = False,
 ) -> list[tuple[str, str]]:
     """(shape, version) pairs still to run, one entry per missing run, round-robin over the
-    rows so a budget spreads over every shape before repeating any."""
+    rows so a budget spreads over every shape before repeating any. A row that did not
+    start is not run again unless ``retry_unverified`` (a start that failed once may be
+    vLLM's intermittent failure)."""
     missing: dict[tuple[str, str], int] = {}
     for name in shapes:
         for version in versions:
             row = data["rows"].get(name, {}).get(version)
             have = counted_runs(row, refresh_older_than)
             # A shape that cannot start here is not run again and again.
-            if row and row.get("status") == "unverified" and have:
+            if row and row.get("status") == "unverified" and have and not retry_unverified:
                 continue
             missing[(name, version)] = max(0, repeat.get(version, 1) - have)
     todo: list[tuple[str, str]] = []

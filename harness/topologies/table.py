@@ -139,7 +139,9 @@ def _verdict(row: dict[str, Any] | None) -> str:
     passed, total = row.get("runs_passed", 0), row.get("runs_total", 0)
     status = row.get("status")
     if status == "pass":
-        return f"**protected** ({passed}/{total} runs)"
+        no_start = sum(1 for r in row["runs"] if r.get("status") == "unverified")
+        extra = f"; {no_start} did not start, with or without the plugin" if no_start else ""
+        return f"**protected** ({passed}/{total} runs{extra})"
     if status == "unverified":
         cause = "; ".join(row.get("reasons") or [])
         cause = cause.split(": ", 1)[-1] if "does not start here" in cause else cause

@@ -43,6 +43,17 @@ def test_the_summary_claims_protection_only_for_passing_rows() -> None:
     assert "protected" not in line and "failed" in line, line
 
 
+def test_the_summary_says_when_a_passing_row_had_a_run_that_did_not_start() -> None:
+    runs = [{"status": "unverified"}, {"status": "pass"}, {"status": "pass"}]
+    row = {"runs": runs, "status": "pass", "runs_passed": 2, "runs_total": 3}
+    line = next(
+        x
+        for x in table.render_summary({"rows": {"tp2": {"0.23.0": row}}}).splitlines()
+        if "tensor-parallel" in x
+    )
+    assert "**protected** (2/3 runs; 1 did not start, with or without the plugin)" in line
+
+
 def test_every_shape_and_release_has_a_table_row() -> None:
     rendered = table.render_table(record.load())
     for s in SHAPES:
@@ -174,6 +185,14 @@ def test_runs_wanted_spreads_over_rows_and_skips_what_is_done() -> None:
     }
     todo = record.runs_wanted(data, ["serve", "tp2"], ["0.32.0"], {"0.32.0": 3})
     assert todo == [("serve", "0.32.0"), ("tp2", "0.32.0"), ("tp2", "0.32.0"), ("tp2", "0.32.0")]
+
+
+def test_a_shape_that_did_not_start_runs_again_only_when_asked() -> None:
+    failed = {"status": "unverified", "plugin_commit": "a" * 40, "quick": False}
+    data = {"rows": {"tp2": {"0.23.0": {"runs": [failed], "status": "unverified"}}}}
+    assert record.runs_wanted(data, ["tp2"], ["0.23.0"], {"0.23.0": 3}) == []
+    again = record.runs_wanted(data, ["tp2"], ["0.23.0"], {"0.23.0": 3}, retry_unverified=True)
+    assert again == [("tp2", "0.23.0")] * 2
 
 
 def test_refresh_older_than_redoes_runs_of_an_unknown_or_older_plugin() -> None:
