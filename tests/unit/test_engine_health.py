@@ -375,6 +375,29 @@ def test_ages_counts_only_from_the_first_api_server_and_elastic_engines() -> Non
     assert Liveness(TIMEOUT).attach(object()) is None  # no engine processes: nothing to ask
 
 
+def test_no_engine_counts_until_an_engine_answers() -> None:
+    """Before EngineCore's first answer /metrics must not say "0 engines protected"."""
+
+    async def go() -> tuple[Any, Any]:
+        liveness = Liveness(TIMEOUT)
+        client = Client()
+        client.hold = True
+        beat = liveness.attach(client)
+        assert beat is not None
+        await settle()
+        assert client.held  # asked, not answered
+        before = liveness.engine_counts()
+        client.release()
+        await settle()
+        after = liveness.engine_counts()
+        beat.stop("done")
+        return before, after
+
+    before, after = run(go())
+    assert before is None
+    assert after == [{"ghost_keys_dropped": 2, "protected": 1}]
+
+
 def test_ages_are_nan_where_the_check_is_off() -> None:
     async def go() -> dict[str, float]:
         liveness = Liveness(TIMEOUT)

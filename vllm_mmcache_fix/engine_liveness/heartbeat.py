@@ -444,10 +444,12 @@ class Liveness:
         return []
 
     def engine_counts(self) -> list[Mapping[str, Any]] | None:
-        """EngineCore's counters for ``/metrics``, from the first API server only (else None)."""
+        """EngineCore's counters for ``/metrics``, from the first API server only; None
+        elsewhere and until an engine has answered (an EngineCore series at 0 would tell an
+        alert that the engine is not protected while it is only not yet asked)."""
         for beat in self._all():
             if beat.client_index == 0:
-                return [b.counts for b in list(beat.beats) if b.counts is not None]
+                return [b.counts for b in list(beat.beats) if b.counts is not None] or None
         return None
 
     def ages(self, now: float | None = None) -> dict[str, float]:

@@ -294,7 +294,7 @@ def decide(
         + (
             f", {engines:g} EngineCore(s)"
             if engines is not None
-            else "; EngineCore has not reported yet (its numbers come with the /health round trip)"
+            else "; EngineCore has not answered its first heartbeat yet"
         )
         + ("; every engine answers" if report.engines else "")
     )
