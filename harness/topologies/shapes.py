@@ -130,6 +130,9 @@ SHAPES: tuple[Shape, ...] = (
         "one DP rank started alone (`--data-parallel-size 2 --data-parallel-rank 0`, external LB)",
         SERVE,
         args=("--data-parallel-size", "2", "--data-parallel-rank", "0"),
+        note="vLLM runs external data parallelism for MoE models only, on every platform "
+        "(`EngineArgs.create_engine_config`); the tiny models are dense, and a dense model "
+        "behind an external load balancer is independent `vllm serve` instances, the first row",
     ),
     Shape(
         "ray-executor",

