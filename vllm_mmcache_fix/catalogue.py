@@ -10,6 +10,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NEWEST_SOURCES_CHECKED = "0.34.0"
+"""The newest vLLM release whose released files the realsrc tier checks: every fix on its
+real ``LRUCache``, every layout lookup, the source patch, the drift guard on its own cache
+classes and ``_merge_mm_kwargs`` (``tests/unit/test_catalogue.py``: the newest release in
+``harness/sources.py``)."""
+
+NEWEST_SERVER_CHECKED = "0.32.0"
+"""The newest vLLM release with a passing real-server row in ``compat/matrix.json``
+(the incident without and with the plugin, drift, concurrent clients)."""
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    """``0.34.0`` -> (0, 34, 0); ``0.23.0+empty``, ``0.35.0rc1``, ``0.24.0.dev5+g1`` keep
+    their leading numbers."""
+    parts: list[int] = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(parts)
+
+
+def release_coverage(version: str | None) -> str:
+    """What this version of the package has proven about vLLM ``version``, in one line."""
+    if not version:
+        return (
+            f"sources checked up to vLLM {NEWEST_SOURCES_CHECKED}, real servers up to "
+            f"{NEWEST_SERVER_CHECKED}"
+        )
+    key = _release_key(version)
+    if key and key <= _release_key(NEWEST_SERVER_CHECKED):
+        return f"vLLM {version}: released sources and a real server checked"
+    if key and key <= _release_key(NEWEST_SOURCES_CHECKED):
+        return (
+            f"vLLM {version}: released sources checked (real servers up to {NEWEST_SERVER_CHECKED})"
+        )
+    return (
+        f"vLLM {version} is newer than the newest release checked "
+        f"({NEWEST_SOURCES_CHECKED}): the plugin finds what it patches by feature "
+        "detection and switches off any piece it cannot find; this check's own trials "
+        "(layout, the eviction probe and the patched cache) ran on it, nothing else did"
+    )
+
 
 @dataclass(frozen=True)
 class PatchSpec:
@@ -55,7 +105,7 @@ CATALOGUE: tuple[PatchSpec, ...] = (
         ),
         affected=(
             "touch creates ghost keys: 0.10.0-0.23.x; eviction and clear stall on any "
-            "ghost key: every release up to 0.33.0"
+            "ghost key: every release up to 0.34.0"
         ),
         detection=(
             "lru_eviction.probe.probe_touch / probe_popitem on the LRUCache class the "
@@ -174,7 +224,7 @@ CATALOGUE: tuple[PatchSpec, ...] = (
             "vllm-project/vllm#36451 (ping EngineCore through its input thread, open)",
             "vllm-project/vllm-ascend#14240 (the same for Ascend, open)",
         ),
-        affected="every release: /health stays 200 while EngineCore spins (up to 0.33.0)",
+        affected="every release: /health stays 200 while EngineCore spins (up to 0.34.0)",
         detection=(
             "the classes vllm_layout.ENGINE_CORE_CLASS and ENGINE_PROC_CLASS with the busy "
             "loop's methods; acts at the first _process_input_queue of each engine"

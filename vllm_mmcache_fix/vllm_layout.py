@@ -131,6 +131,12 @@ DRIFT_TARGETS: tuple[DriftTarget, ...] = (
     ),
 )
 
+SENDER_READ_METHODS: tuple[str, ...] = ("get_cached_item",)
+"""Sender-cache methods the drift guard leaves unwrapped on purpose: they read without
+changing membership or order (0.34.0's ``get_cached_item``, ``LRUCache.peek`` underneath;
+the LRU sender keeps no payload and answers None). ``_merge_mm_kwargs`` calls it for every
+item before the first insert, inside the journal the drift guard opens there."""
+
 SENDER_LRU_ATTR = "_cache"
 """The sender cache's ``LRUCache`` attribute (every release with the LRU sender)."""
 
@@ -170,7 +176,7 @@ ENGINE_PROC_CLASS = ClassLayout("vllm.v1.engine.core", "EngineCoreProc", "0.10.0
 process model builds one: spawned and forked ``EngineCore``/``EngineCore_DP<N>`` processes
 (``DPEngineCoreProc`` subclasses it) and Ray's ``EngineCoreActor``/``DPMoEEngineCoreActor``
 (mixins over it); the in-process engine (``InprocClient``) never does. Checked on every
-release's ``core.py`` (0.10.0-0.33.0) by the realsrc tier."""
+release's ``core.py`` (0.10.0-0.34.0) by the realsrc tier."""
 
 BUSY_LOOP_INPUT = "_process_input_queue"
 """``EngineCoreProc._process_input_queue()``: called by the busy loop (``run_busy_loop``, and

@@ -4,7 +4,7 @@ The plugin adopts an engine at the busy loop's first ``_process_input_queue`` (b
 loops call it), stamps ``_process_engine_step`` and ``_handle_client_request``, and hooks the
 input queue's ``put_nowait``, which the input thread calls for every request; a utility
 request is ``(client_index, call_id, method_name, args)``. Checked on the released sources
-(0.10.0-0.33.0), not on a version list.
+(0.10.0-0.34.0), not on a version list.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from harness.layouts import run_snippet, write_layout
 from vllm_mmcache_fix import __version__
 
 LAYOUTS = {
-    "package": ("0.33.0", "vllm.multimodal.cache.base"),
+    "package": ("0.34.0", "vllm.multimodal.cache.base"),
     "module": ("0.23.0", "vllm.multimodal.cache"),
 }
 
@@ -217,7 +217,7 @@ def test_mode_warn_patches_nothing_and_warns_once_when_cache_on(tree) -> None:
 
 
 def test_mode_warn_is_quiet_on_a_vllm_without_ghost_touch(tree) -> None:
-    root = tree("package", "0.33.0")
+    root = tree("package", "0.34.0")
     result = run_snippet(
         root,
         """

@@ -81,6 +81,7 @@ EXPECTED: tuple[Release, ...] = (
     Release("0.31.0",   CACHE, False, MM_PKG,  MC,   C,   True,  True,  True),
     Release("0.32.0",   CACHE, False, MM_PKG,  MC,   C,   True,  True,  True),
     Release("0.33.0",   CACHE, False, MM_PKG,  MC,   C,   True,  True,  True),
+    Release("0.34.0",   CACHE, False, MM_PKG,  MC,   C,   True,  True,  True),
 )
 # fmt: on
 

@@ -15,7 +15,7 @@ raises ``KeyError``; the guard must remove it cleanly and stay on.
 
 Each cachetools release of :data:`harness.sources.CACHETOOLS_VERSIONS` runs in a child
 interpreter (``realsrc.run_snippet``) with the real ``LRUCache`` of vLLM 0.23.0 (whose
-``touch`` adds missing keys) and 0.33.0.
+``touch`` adds missing keys) and 0.34.0.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from harness import realsrc
 
 CT_VERSIONS = list(realsrc.CACHETOOLS_VERSIONS)
-VLLM_VERSIONS = ("0.23.0", "0.33.0")
+VLLM_VERSIONS = ("0.23.0", "0.34.0")
 
 _HALF_DONE = r"""
 import json, sys, threading
@@ -167,7 +167,7 @@ from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal
 
-lru_cls = drift_sim.realsrc.load_lru_module("0.33.0").LRUCache
+lru_cls = drift_sim.realsrc.load_lru_module("0.34.0").LRUCache
 out = {}
 
 # The shadow on its own: invalidate (recovery) and rollback (rejection) of a data-only key.
@@ -194,7 +194,7 @@ out["shadow_left"] = [sorted(lru._Cache__data), list(lru._LRUCache__order)]
 
 # The guard around the simulated server: a rejected request whose inserted key lost
 # its order entry meanwhile.
-modules = drift_sim.install_modules("0.33.0")
+modules = drift_sim.install_modules("0.34.0")
 drift.install()
 world = drift_sim.World(modules)
 prompt = world.render(["x"], text_len=100)

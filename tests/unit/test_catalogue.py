@@ -55,3 +55,30 @@ def test_rows_with_source_patches_have_diffs_and_the_rest_none() -> None:
 def test_every_row_is_complete() -> None:
     for spec in catalogue.CATALOGUE:
         assert spec.targets and spec.why and spec.upstream and spec.removal, spec.id
+
+
+def test_newest_sources_checked_is_the_newest_fetched_release() -> None:
+    from harness import sources
+
+    assert catalogue.NEWEST_SOURCES_CHECKED == sources.VLLM_VERSIONS[-1]
+
+
+def test_newest_server_checked_is_the_newest_passing_matrix_row() -> None:
+    from harness import matrix
+
+    passing = [v for v, rec in matrix.load()["releases"].items() if rec["status"] == "pass"]
+    assert catalogue.NEWEST_SERVER_CHECKED == max(passing, key=matrix.version_key)
+
+
+def test_release_coverage_says_what_was_proven() -> None:
+    newest = catalogue.NEWEST_SOURCES_CHECKED
+    assert "real server checked" in catalogue.release_coverage(catalogue.NEWEST_SERVER_CHECKED)
+    assert "real server checked" in catalogue.release_coverage("0.23.0+empty")
+    if newest != catalogue.NEWEST_SERVER_CHECKED:
+        line = catalogue.release_coverage(newest)
+        assert "released sources checked" in line and "real server" not in line.split("(")[0]
+    for newer in ("0.99.0", "0.99.0rc1", "1.0.0.dev3+gabc", "0.34.1"):
+        line = catalogue.release_coverage(newer)
+        assert f"newer than the newest release checked ({newest})" in line, newer
+        assert "feature detection" in line
+    assert "newer" not in catalogue.release_coverage("0.34.0rc1")
