@@ -30,6 +30,8 @@ COMMANDS: dict[str, str] = {
     "race-probe": "harness.bench.race_probe",
     "worst-cases": "harness.bench.worst_cases",
     "make-patches": "harness.make_patches",
+    "new-release": "harness.new_release",
+    "ascend-release": "harness.ascend_release",
     "apply-patch": "harness.apply_patch",
     "unit-pythons": "harness.pythons",
     "health-rtt": "harness.health",

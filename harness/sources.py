@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -61,6 +62,29 @@ VLLM_VERSIONS: tuple[str, ...] = (
     "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
     "0.34.0",
 )  # fmt: skip
+
+EXTRA_RELEASES_ENV = "MMCACHE_FIX_EXTRA_RELEASES"
+"""Comma-separated releases added after ``VLLM_VERSIONS`` for one run (``scripts/new-release``
+sets it to run the realsrc tier on a release this list does not name yet)."""
+
+
+def _extra_releases() -> tuple[str, ...]:
+    extra = []
+    for raw in os.environ.get(EXTRA_RELEASES_ENV, "").split(","):
+        version = raw.strip()
+        if not version or version in VLLM_VERSIONS:
+            continue
+        if not re.fullmatch(r"\d+(\.\d+){1,3}", version):
+            print(
+                f"{EXTRA_RELEASES_ENV}: ignoring {version!r} (not a release number)",
+                file=sys.stderr,
+            )
+            continue
+        extra.append(version)
+    return tuple(extra)
+
+
+VLLM_VERSIONS = VLLM_VERSIONS + _extra_releases()
 
 CACHETOOLS_VERSIONS: tuple[str, ...] = ("5.5.2", "6.2.0", "7.3.3", "8.0.2")
 

@@ -27,6 +27,7 @@ from importlib import metadata
 from typing import Any
 
 from .. import __version__
+from ..catalogue import release_coverage
 from ..core.settings import ENV_MODE, Mode, report_settings
 from ..lru_eviction.probe import Exposure, probe
 from ..vllm_layout import (
@@ -83,6 +84,8 @@ class CheckReport:
     plugin_version: str | None = None
     """The installed vllm-mmcache-fix distribution vLLM would load (None: not installed)."""
     vllm_version: str | None = None
+    verified_up_to: str = ""
+    """What this plugin version has proven on that vLLM (``catalogue.release_coverage``)."""
     vllm_location: str | None = None
     vllm_import_error: str | None = None
     """``Type: message`` of the exception ``import vllm`` raised."""
@@ -432,6 +435,7 @@ def run_check(environ: dict[str, str] | None = None) -> CheckReport:
         return report
 
     report.vllm_version = getattr(vllm, "__version__", None) or report.vllm_version
+    report.verified_up_to = release_coverage(report.vllm_version)
     report.vllm_location = os.path.dirname(getattr(vllm, "__file__", "") or "") or (
         report.vllm_location
     )

@@ -50,6 +50,7 @@ def _print_check(report: Any) -> None:
         rows.append(("import vllm", f"FAILS: {report.vllm_import_error}"))
     elif report.vllm_version is not None:
         rows.append(("vLLM", f"{report.vllm_version} ({report.vllm_location or '-'})"))
+        rows.append(("verified up to", report.verified_up_to))
     else:
         rows.append(("vLLM", "not installed"))
     rows.append(("vllm-ascend", report.vllm_ascend_version or "not installed"))
