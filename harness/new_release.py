@@ -387,6 +387,8 @@ class Record:
     seconds: float
     checked: list[str] = field(default_factory=list)
     """Every class/module the comparison covered (derived from ``vllm_layout``)."""
+    plugin_commit: str = ""
+    """The last commit that changed the plugin package (``harness.matrix.plugin_commit``)."""
 
     @property
     def ok(self) -> bool:
@@ -444,7 +446,17 @@ def check(version: str, against: Sequence[str], *, run_tests: bool = True) -> Re
         verdict=_verdict(changes, tests, det),
         seconds=round(time.monotonic() - start, 1),
         checked=sorted({t.label for t in touched()}),
+        plugin_commit=_plugin_commit(),
     )
+
+
+def _plugin_commit() -> str:
+    from harness.matrix import plugin_commit
+
+    try:
+        return plugin_commit()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
 
 
 MAX_DIFF_LINES = 40
@@ -452,6 +464,8 @@ MAX_DIFF_LINES = 40
 
 def render(rec: Record, *, diffs: bool = True) -> str:
     out = [f"vLLM {rec.version} ({rec.wheel}, sha256 {rec.wheel_sha256[:16]}...)"]
+    if rec.plugin_commit:
+        out.append(f"plugin: commit {rec.plugin_commit[:10]}")
     out.append(f"checked: {len(rec.checked)} classes/modules named by vllm_layout")
     for old, changes in rec.changes.items():
         mine = [c for c in changes if c["touched"]]

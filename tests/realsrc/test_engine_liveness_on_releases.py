@@ -107,3 +107,57 @@ def test_a_utility_request_names_its_method_third(version: str) -> None:
     assert f"{layout.REQUEST_TYPE_UTILITY}" in text and "getattr(self, method_name)" in text
     for name in (layout.REQUEST_TYPE_ADD, layout.REQUEST_TYPE_ABORT):
         assert f"EngineCoreRequestType.{name}" in text, (version, name)
+
+
+def _self_callers(tree: ast.Module, name: str) -> set[str]:
+    """``Class.method`` of every method in the file that calls ``self.<name>(...)``."""
+    callers = set()
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for func in cls.body:
+            if isinstance(func, ast.FunctionDef) and _calls_self(func, name):
+                callers.add(f"{cls.name}.{func.name}")
+    return callers
+
+
+STEP_WAIT = "_wait_for_output"
+"""0.34.0+: ``EngineCoreProc._wait_for_output`` waits for a step's model output and, meanwhile,
+dispatches the ADD/ABORT requests that arrive (other kinds are deferred to the next
+``_process_input_queue``)."""
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_requests_are_dispatched_on_the_busy_loop_only(version: str) -> None:
+    """The busy-loop state the heartbeat reports is written by the thread that dispatches.
+
+    Up to 0.33.0 only ``_process_input_queue`` dispatches; 0.34.0 also dispatches ADD and
+    ABORT from inside a step (``_wait_for_output``, called by the step functions), so an
+    ADD is entered while the step's phase is open: the plugin's ``LoopState`` returns to
+    the step with its start time kept (``tests/unit/test_engine_answer.py``), and a utility
+    call, the heartbeat's ping among them, is never run inside a step.
+    """
+    tree = realsrc.parse_release_file(version, CORE)
+    proc = layout.ENGINE_PROC_CLASS.cls
+    callers = _self_callers(tree, layout.BUSY_LOOP_DISPATCH)
+    assert f"{proc}.{layout.BUSY_LOOP_INPUT}" in callers, version
+    assert callers <= {f"{proc}.{layout.BUSY_LOOP_INPUT}", f"{proc}.{STEP_WAIT}"}, callers
+    if f"{proc}.{STEP_WAIT}" not in callers:
+        assert realsrc.version_key(version) < (0, 34), version
+        return
+    # Called only from the step functions that _process_engine_step runs.
+    waiters = {c.split(".")[1] for c in _self_callers(tree, STEP_WAIT)}
+    assert waiters and waiters <= {"step", "step_with_batch_queue"}, waiters
+    during = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(
+            isinstance(t, ast.Name) and t.id == "_INPUTS_HANDLED_DURING_STEP" for t in node.targets
+        )
+    )
+    kinds = {
+        ast.unparse(e).rsplit(".", 1)[-1] for e in ast.walk(during) if isinstance(e, ast.Attribute)
+    }
+    assert {layout.REQUEST_TYPE_ADD, layout.REQUEST_TYPE_ABORT} <= kinds, kinds
+    assert layout.REQUEST_TYPE_UTILITY not in kinds, kinds
