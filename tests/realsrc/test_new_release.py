@@ -71,3 +71,11 @@ def test_docstrings_do_not_count_and_code_does(tmp_path: Path) -> None:
         ("vllm.utils.cache.LRUCache.peek", "changed", True)
     ]
     assert "-    return self._Cache__data.get(key, default)" in changed[0].diff
+
+
+def test_an_unlisted_release_joins_the_tier_for_one_run() -> None:
+    code = "from harness import sources; print(','.join(sources.VLLM_VERSIONS[-2:]))"
+    env = {new_release.EXTRA_RELEASES_ENV: "9.9.9, 0.34.0,not-a-release"}
+    res = realsrc.run_snippet(code, env=env).check()
+    assert res.stdout.strip() == "0.34.0,9.9.9"
+    assert "ignoring 'not-a-release' (not a release number)" in res.stderr
