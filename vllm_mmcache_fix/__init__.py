@@ -20,7 +20,9 @@ Importing this package never imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # as typing's: vLLM imports this package in every process
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.3.0"
 
