@@ -25,6 +25,7 @@ This module imports ``core.imports`` and ``vllm_layout`` only; the operator tool
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -109,6 +110,16 @@ def _build_stall_sentinel() -> Fix:
 
 
 _lock = threading.RLock()
+
+
+def _renew_lock() -> None:
+    """A forked child gets a fresh lock: one held by another thread at the fork stays held."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 class _Slot:

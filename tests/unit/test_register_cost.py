@@ -6,15 +6,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
 from harness.paths import REPO_ROOT
 from vllm_mmcache_fix import plugin, vllm_layout
+from vllm_mmcache_fix.core import imports
 from vllm_mmcache_fix.core.lifecycle import Fix
 from vllm_mmcache_fix.core.records import frozen
 
@@ -250,3 +254,31 @@ def test_records_replace_the_dataclasses_every_process_loads() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_gets_fresh_locks() -> None:
+    """vLLM forks EngineCore and workers while other threads may hold the plugin's locks (a
+    thread importing a trigger module): the child must not inherit them held."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with plugin._lock, imports._lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+            pid = os.fork()
+        if pid == 0:
+            ok = plugin._lock.acquire(timeout=2) and imports._lock.acquire(timeout=2)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        release.set()
+        thread.join(10)

@@ -11,6 +11,7 @@ import for the others, until it answers True ("done"). So no caller writes
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -92,6 +93,17 @@ class _PostImportFinder:
 
 
 _lock = threading.RLock()
+
+
+def _renew_lock() -> None:
+    """A forked child gets a fresh lock: one held by another thread at the fork stays held
+    (vLLM forks EngineCore and workers while other threads may be importing)."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 _subscriptions: list[Subscription] = []
 _finder = _PostImportFinder()
 _watched: frozenset[str] = frozenset()
