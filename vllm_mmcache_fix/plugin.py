@@ -109,6 +109,9 @@ def _build_stall_sentinel() -> Fix:
     return StallSentinelFix()
 
 
+_ENV_MODE = "MMCACHE_FIX_MODE"
+"""``core.settings.ENV_MODE`` (not imported: the settings come with the first fix)."""
+
 _lock = threading.RLock()
 
 
@@ -149,7 +152,13 @@ class _Slot:
             fix.install()
         return fix
 
-    def install(self) -> None:
+    def install(self, *, now: bool = False) -> None:
+        """Install the fix when a trigger is imported, or ``now``."""
+        if now:
+            with _lock:
+                self.wanted = True
+            self.get()
+            return
         with _lock:
             self.wanted = True
             fix = self.fix
@@ -248,8 +257,10 @@ def register() -> None:
 def install() -> None:
     """Install each fix when this process may need it; idempotent. Imports a fix only
     when one of its :data:`TRIGGERS` is imported."""
+    # MMCACHE_FIX_MODE=off: every fix says so at once and no import hook is left behind.
+    off = os.environ.get(_ENV_MODE, "").strip().lower() == "off"
     for slot in _SLOTS:
-        slot.install()
+        slot.install(now=off)
 
 
 def instrument() -> dict[str, Any]:

@@ -108,6 +108,12 @@ def test_each_fix_is_triggered_by_the_modules_it_patches() -> None:
     assert not drift & set(vllm_layout.FACTORY_WATCHED_MODULES)
 
 
+def test_the_mode_setting_name_is_the_settings_one() -> None:
+    from vllm_mmcache_fix.core.settings import ENV_MODE
+
+    assert plugin._ENV_MODE == ENV_MODE
+
+
 class _ProbeFix(Fix):
     id = "probe-fix"
     runs_in = "every process"
