@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "bench-concurrent": "harness.bench.concurrent",
     "bench-cache": "harness.bench.cache",
     "bench-cache-value": "harness.bench.cache_value",
+    "bench-register": "harness.bench.register",
     "drift-bench": "harness.bench.drift",
     "race-probe": "harness.bench.race_probe",
     "worst-cases": "harness.bench.worst_cases",

@@ -20,9 +20,14 @@ Importing this package never imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from ._version import version as _read_version
 
-__version__ = "0.3.0"
+TYPE_CHECKING = False  # as typing's: vLLM imports this package in every process
+if TYPE_CHECKING:
+    from typing import Any
+
+__version__ = _read_version()
+"""This build's version: ``0.3.0.dev0+g<commit>`` between releases (``_version.py``)."""
 
 __all__ = ["__version__", "instrument", "register", "status", "uninstrument"]
 

@@ -6,96 +6,336 @@ raise and must stay cheap. Each fix decides for itself whether it applies in
 this process (the drift guard only acts where vLLM builds a sender cache, that
 is in the API server).
 
-This module imports the fixes and the shared core only; the operator tools
+A fix's package is imported only in a process that may need it: :func:`register`
+subscribes each fix to the vLLM modules its targets live in (:data:`TRIGGERS`) and
+imports and installs the fix when the first of them is imported (at once when one
+already is). A worker imports the eviction fix only; EngineCore adds the heartbeat's
+answer and the stall sentinel; the API server everything. Once installed, a fix
+behaves as it always did: it subscribes to the modules it ``watches`` itself and patches
+what it finds. The metrics and the stall sentinel act on signals that only the engine
+liveness fixes send, so they come with those fixes' modules.
+
+Looking a fix up (``FIXES``, ``LRU_EVICTION``, ... or :func:`status`) imports it, and
+installs it when :func:`register` ran: what every process did before it was lazy.
+:func:`counts` imports nothing (a fix not imported has counted nothing).
+
+This module imports ``core.imports`` and ``vllm_layout`` only; the operator tools
 (``tools/``) are never imported from here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+import threading
 
-from .core import counters, imports, log, registry
-from .core.lifecycle import STATUS_SCHEMA, Fix
-from .core.process import process_label, vllm_version
-from .drift_guard import GUARD as DRIFT_GUARD
-from .drift_guard.stats import STATS as DRIFT_STATS
-from .engine_liveness.answer import EngineLivenessAnswer
-from .engine_liveness.health import EngineHealth
-from .lru_eviction import cache as lru_cache
-from .lru_eviction.fix import LruEvictionFix
-from .metrics.fix import PluginMetrics
-from .stall_sentinel.fix import StallSentinelFix
-
-LRU_EVICTION = LruEvictionFix()
-ENGINE_ANSWER = EngineLivenessAnswer(lambda: counts())
-ENGINE_HEALTH = EngineHealth()
-METRICS = PluginMetrics(
-    lambda: counts(),
-    lambda: ENGINE_HEALTH.liveness.engine_counts() if ENGINE_HEALTH.liveness else None,
-    lambda: ENGINE_HEALTH.liveness.ages() if ENGINE_HEALTH.liveness else None,
+from .core import imports
+from .vllm_layout import (
+    ENGINE_CORE_CLASS,
+    FACTORY_WATCHED_MODULES,
+    HEALTH_TARGET,
+    METRICS_ROUTE_MODULES,
+    SENDER_BUILDER_MODULES,
 )
-STALL_SENTINEL = StallSentinelFix()
 
-FIXES: tuple[Fix, ...] = (
-    LRU_EVICTION,
-    DRIFT_GUARD,
-    ENGINE_ANSWER,
-    ENGINE_HEALTH,
-    METRICS,
-    STALL_SENTINEL,
+TYPE_CHECKING = False  # as typing's, without importing typing in every vLLM process
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .core.lifecycle import Fix
+
+_HEALTH = (HEALTH_TARGET.module,)
+_ANSWER = (ENGINE_CORE_CLASS.module,)
+
+TRIGGERS: dict[str, tuple[str, ...]] = {
+    "mm-lru-eviction": FACTORY_WATCHED_MODULES,
+    # Where a sender cache can be built: the guard acts on nothing else. Once installed it
+    # watches all of DRIFT_WATCHED_MODULES itself (vllm.multimodal.cache among them, which
+    # every worker imports).
+    "mm-drift-guard": SENDER_BUILDER_MODULES,
+    "engine-liveness-answer": _ANSWER,
+    "engine-liveness-health": _HEALTH,
+    # The metrics start on the /metrics route's import or on the health fix's signals.
+    "plugin-metrics": (*METRICS_ROUTE_MODULES, *_HEALTH),
+    # The sentinel starts on the signals of the answer (EngineCore) and health (API server).
+    "stall-sentinel": (*_ANSWER, *_HEALTH),
+}
+"""Fix id -> the modules whose import means the fix may act in this process: the fix is
+imported and installed when the first of them is."""
+
+
+def _build_lru_eviction() -> Fix:
+    from .lru_eviction.fix import LruEvictionFix
+
+    return LruEvictionFix()
+
+
+def _build_drift_guard() -> Fix:
+    from .drift_guard import GUARD
+
+    return GUARD
+
+
+def _build_engine_answer() -> Fix:
+    from .engine_liveness.answer import EngineLivenessAnswer
+
+    return EngineLivenessAnswer(lambda: counts())
+
+
+def _build_engine_health() -> Fix:
+    from .engine_liveness.health import EngineHealth
+
+    return EngineHealth()
+
+
+def _liveness() -> Any:
+    health = _SLOTS[3].fix
+    return getattr(health, "liveness", None)
+
+
+def _build_metrics() -> Fix:
+    from .metrics.fix import PluginMetrics
+
+    return PluginMetrics(
+        lambda: counts(),
+        lambda: _liveness().engine_counts() if _liveness() else None,
+        lambda: _liveness().ages() if _liveness() else None,
+    )
+
+
+def _build_stall_sentinel() -> Fix:
+    from .stall_sentinel.fix import StallSentinelFix
+
+    return StallSentinelFix()
+
+
+_ENV_MODE = "MMCACHE_FIX_MODE"
+"""``core.settings.ENV_MODE`` (not imported: the settings come with the first fix)."""
+
+_lock = threading.RLock()
+
+
+def _renew_lock() -> None:
+    """A forked child gets a fresh lock: one held by another thread at the fork stays held."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
+
+
+class _Slot:
+    """One fix of :data:`FIXES`: built (its package imported) on first need."""
+
+    __slots__ = ("id", "name", "build", "fix", "wanted", "subscription", "problem")
+
+    def __init__(self, fix_id: str, name: str, build: Any) -> None:
+        self.id = fix_id
+        self.name = name
+        """The module attribute it answers to (``plugin.LRU_EVICTION``)."""
+        self.build = build
+        self.fix: Fix | None = None
+        self.wanted = False
+        """:func:`register` ran: install the fix once it is built."""
+        self.subscription: imports.Subscription | None = None
+        self.problem: str | None = None
+        """Why the fix could not be built (a broken install); vLLM goes on without it."""
+
+    def get(self) -> Fix:
+        """The fix, built (and installed, when wanted) now if it was not yet."""
+        with _lock:
+            if self.fix is None:
+                self.fix = self.build()
+            fix = self.fix
+        if self.wanted:
+            fix.install()
+        return fix
+
+    def install(self, *, now: bool = False) -> None:
+        """Install the fix when a trigger is imported, or ``now``."""
+        if now:
+            with _lock:
+                self.wanted = True
+            self.get()
+            return
+        with _lock:
+            self.wanted = True
+            fix = self.fix
+            if fix is None and self.subscription is not None and not self.subscription.done:
+                return  # waiting for a trigger
+        if fix is not None:
+            fix.install()
+            return
+        # Outside the lock: a trigger already imported builds the fix at once, and another
+        # thread's import of a trigger may be waiting for the lock meanwhile.
+        subscription = imports.when_imported(TRIGGERS[self.id], self._triggered)
+        with _lock:
+            self.subscription = subscription
+
+    def uninstall(self) -> None:
+        with _lock:
+            self.wanted = False
+            imports.cancel(self.subscription)
+            self.subscription = None
+            fix = self.fix
+        if fix is not None:
+            fix.uninstall()
+
+    def _triggered(self, module: str) -> bool:
+        """One of :data:`TRIGGERS` is imported: build and install the fix. Never raises (it
+        runs at the end of vLLM's import of ``module``)."""
+        try:
+            self.get()
+        except Exception as exc:
+            with _lock:
+                first = self.problem is None
+                self.problem = f"cannot load {self.id} after importing {module}: {exc!r}"
+            if first:
+                try:
+                    from .core import log
+
+                    log.warning("internal error, vLLM left as it is: %s", self.problem)
+                except Exception:
+                    pass
+        return True
+
+
+_SLOTS: tuple[_Slot, ...] = (
+    _Slot("mm-lru-eviction", "LRU_EVICTION", _build_lru_eviction),
+    _Slot("mm-drift-guard", "DRIFT_GUARD", _build_drift_guard),
+    _Slot("engine-liveness-answer", "ENGINE_ANSWER", _build_engine_answer),
+    _Slot("engine-liveness-health", "ENGINE_HEALTH", _build_engine_health),
+    _Slot("plugin-metrics", "METRICS", _build_metrics),
+    _Slot("stall-sentinel", "STALL_SENTINEL", _build_stall_sentinel),
 )
-"""Installed in this order; each decides for itself whether it acts in this process."""
+"""Installed in this order; each fix decides for itself whether it acts in this process."""
+
+_BY_NAME = {slot.name: slot for slot in _SLOTS}
+
+
+def __getattr__(name: str) -> Any:
+    """``FIXES`` and each fix by name (``LRU_EVICTION``...), built on first use."""
+    if name == "FIXES":
+        return tuple(slot.get() for slot in _SLOTS)
+    slot = _BY_NAME.get(name)
+    if slot is not None:
+        return slot.get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from .drift_guard.fix import DriftGuard
+    from .engine_liveness.answer import EngineLivenessAnswer
+    from .engine_liveness.health import EngineHealth
+    from .lru_eviction.fix import LruEvictionFix
+    from .metrics.fix import PluginMetrics
+    from .stall_sentinel.fix import StallSentinelFix
+
+    FIXES: tuple[Fix, ...]
+    LRU_EVICTION: LruEvictionFix
+    DRIFT_GUARD: DriftGuard
+    ENGINE_ANSWER: EngineLivenessAnswer
+    ENGINE_HEALTH: EngineHealth
+    METRICS: PluginMetrics
+    STALL_SENTINEL: StallSentinelFix
 
 
 def register() -> None:
     """Entry point for vLLM's plugin loader: never raises."""
     try:
-        instrument()
+        install()
     except Exception as exc:
         try:
+            from .core import log
+
             log.warning("internal error, vLLM left as it is: %r", exc)
         except Exception:
             pass
 
 
+def install() -> None:
+    """Install each fix when this process may need it; idempotent. Imports a fix only
+    when one of its :data:`TRIGGERS` is imported."""
+    # MMCACHE_FIX_MODE=off: every fix says so at once and no import hook is left behind.
+    off = os.environ.get(_ENV_MODE, "").strip().lower() == "off"
+    for slot in _SLOTS:
+        slot.install(now=off)
+
+
 def instrument() -> dict[str, Any]:
     """Install every fix that applies in this process; idempotent. Returns :func:`status`."""
-    for fix in FIXES:
-        fix.install()
+    install()
     return status()
 
 
 def uninstrument() -> None:
     """Undo everything :func:`instrument` did in this process."""
-    for fix in reversed(FIXES):
-        fix.uninstall()
+    for slot in reversed(_SLOTS):
+        slot.uninstall()
     imports.cancel_all()
-    registry.revert_all()
-    counters.reset()
+    registry = sys.modules.get(f"{__package__}.core.registry")
+    if registry is not None:
+        registry.revert_all()
+    counters = sys.modules.get(f"{__package__}.core.counters")
+    if counters is not None:
+        counters.reset()
+
+
+def _built() -> list[Fix]:
+    with _lock:
+        return [slot.fix for slot in _SLOTS if slot.fix is not None]
+
+
+def _internal_errors() -> int:
+    with _lock:
+        broken = sum(1 for slot in _SLOTS if slot.problem is not None)
+    return broken + sum(fix.errors.total for fix in _built())
+
+
+def _stats(module: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """A stats object's counts, or zeros while its module is not imported (nothing counted)."""
+    loaded = sys.modules.get(f"{__package__}.{module}")
+    stats = getattr(loaded, "STATS", None)
+    if stats is None:
+        return dict.fromkeys(keys, 0)
+    values: dict[str, int] = stats.as_dict()
+    return values
 
 
 def counts() -> dict[str, int]:
     """This process's counters as plain numbers: what ``/metrics`` exports (and what
-    EngineCore sends with each answer to the heartbeat)."""
-    repairs = lru_cache.STATS.as_dict()
-    drift = DRIFT_STATS.as_dict()
+    EngineCore sends with each answer to the heartbeat). Imports no fix."""
+    repairs = _stats("lru_eviction.cache", ("ghost_keys_dropped", "orphans_restored"))
+    drift = _stats(
+        "drift_guard.stats", ("drift_events", "rollbacks", "recoveries", "recovery_failures")
+    )
+    lru = _SLOTS[0].fix
+    stalls = sys.modules.get(f"{__package__}.core.counters")
     return {
-        "protected": int(LRU_EVICTION.installed),
+        "protected": int(bool(getattr(lru, "installed", False))),
         "ghost_keys_dropped": repairs["ghost_keys_dropped"],
         "orphans_restored": repairs["orphans_restored"],
         "drift_events": drift["drift_events"],
         "rollbacks": drift["rollbacks"],
         "recoveries": drift["recoveries"],
         "recovery_failures": drift["recovery_failures"],
-        "internal_errors": sum(fix.errors.total for fix in FIXES),
-        "stalls_cache_eviction": counters.stalls(counters.STALL_CACHE_EVICTION),
-        "stalls_busy": counters.stalls(counters.STALL_BUSY),
+        "internal_errors": _internal_errors(),
+        "stalls_cache_eviction": stalls.stalls(stalls.STALL_CACHE_EVICTION) if stalls else 0,
+        "stalls_busy": stalls.stalls(stalls.STALL_BUSY) if stalls else 0,
     }
 
 
 def status() -> dict[str, Any]:
-    """What this process has applied, as plain data (a copy; ``schema_version`` first)."""
-    lru = LRU_EVICTION.status()
+    """What this process has applied, as plain data (a copy; ``schema_version`` first).
+    Builds every fix (see the module's docstring)."""
+    from .core import registry
+    from .core.lifecycle import STATUS_SCHEMA
+    from .core.process import process_label, vllm_version
+
+    fixes = [slot.get() for slot in _SLOTS]
+    lru_fix, drift_fix, sentinel = fixes[0], fixes[1], fixes[5]
+    lru = lru_fix.status()
     return {
         "schema_version": STATUS_SCHEMA,
         "process": process_label(),
@@ -113,10 +353,10 @@ def status() -> dict[str, Any]:
         "caches_fixed": lru["caches_fixed"],
         "repairs": lru["repairs"],
         "problems": lru["problems"],
-        "drift": DRIFT_GUARD.status(),
-        "stall_sentinel": STALL_SENTINEL.status(),
-        "fixes": {fix.id: fix.status() for fix in FIXES},
-        "internal_errors": sum(fix.errors.total for fix in FIXES),
+        "drift": drift_fix.status(),
+        "stall_sentinel": sentinel.status(),
+        "fixes": {fix.id: fix.status() for fix in fixes},
+        "internal_errors": _internal_errors(),
         "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],
         "instance_patches": [
             {"id": pid, "target": what} for pid, what in registry.instance_changes()

@@ -13,7 +13,7 @@ Importing this module imports nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .core.records import frozen
 
 # --------------------------------------------------------------------------- LRU eviction
 
@@ -24,7 +24,7 @@ The LoRA and rope caches build ``LRUCache`` directly, so wrapping the factory
 reaches the multimodal caches and nothing else."""
 
 
-@dataclass(frozen=True)
+@frozen
 class FactoryLayout:
     module: str
     owner: str
@@ -80,14 +80,14 @@ STACK_FILE_MARKERS: tuple[str, ...] = (*LRU_FILES, "cachetools")
 # --------------------------------------------------------------------------- drift guard
 
 
-@dataclass(frozen=True)
+@frozen
 class ClassLayout:
     module: str
     cls: str
     releases: str
 
 
-@dataclass(frozen=True)
+@frozen
 class DriftTarget:
     name: str
     candidates: tuple[ClassLayout, ...]
@@ -143,6 +143,25 @@ SENDER_LRU_ATTR = "_cache"
 DRIFT_WATCHED_MODULES: tuple[str, ...] = tuple(
     sorted({c.module for t in DRIFT_TARGETS for c in t.candidates})
 )
+
+SENDER_BUILDER_MODULES: tuple[str, ...] = (
+    "vllm.v1.engine.processor",
+    "vllm.v1.engine.input_processor",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.engine.llm_engine",
+    "vllm.inputs.preprocess",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.launchers.api_server.app_state",
+    "vllm.entrypoints.launchers.render.app_state",
+)
+"""The modules that build a sender cache: they call ``processor_cache_from_config``
+(``v1/engine/processor.py`` 0.10.2-0.11, ``input_processor.py`` 0.12-0.16) or
+``renderer_from_config``, whose renderer builds it (0.17+: ``input_processor``, ``async_llm``,
+``llm_engine``, ``inputs/preprocess`` and ``entrypoints/openai/api_server`` up to 0.2x,
+``entrypoints/launchers/*/app_state`` in 0.3x). 0.10.0 and 0.10.1.1 have no sender cache.
+One of them is imported before any sender cache exists; workers and EngineCore import none
+(they import ``vllm.multimodal.cache`` and ``vllm.renderers.base``), so the plugin loads the
+drift guard where these are imported. Checked against installed vLLM by the installed tier."""
 
 # --------------------------------------------------------------------------- processes
 

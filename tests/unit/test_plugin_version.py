@@ -14,6 +14,7 @@ import pytest
 
 import vllm_mmcache_fix
 from harness.paths import REPO_ROOT
+from vllm_mmcache_fix import _version
 from vllm_mmcache_fix.lru_eviction.probe import Exposure
 from vllm_mmcache_fix.lru_eviction.report import active_line
 from vllm_mmcache_fix.metrics import names as n
@@ -21,13 +22,41 @@ from vllm_mmcache_fix.metrics import names as n
 VERSION = vllm_mmcache_fix.__version__
 
 
-def test_the_version_is_a_release_number_in_the_changelog() -> None:
-    assert re.fullmatch(r"\d+\.\d+\.\d+", VERSION)
+def test_the_version_names_the_next_release_and_the_commit() -> None:
+    """Between releases every build says which commit it is (``0.3.0.dev0+g<commit>``); the
+    release it leads to is the CHANGELOG's first heading."""
+    base = _version.BASE
+    release = re.fullmatch(r"(\d+\.\d+\.\d+)(\.dev\d+)?", base)
+    assert release, base
     text = (REPO_ROOT / "CHANGELOG.md").read_text()
     headings = re.findall(r"^## (\S+)", text, re.M)
-    assert headings and headings[0] == VERSION, headings
-    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
-    assert 'version = { attr = "vllm_mmcache_fix.__version__" }' in pyproject
+    assert headings and headings[0] == release.group(1), headings
+    head = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    if release.group(2) and head:
+        assert VERSION == f"{base}+g{head[:9]}"
+        assert _version.commit(str(REPO_ROOT)) == head
+    else:
+        assert VERSION == base
+
+
+def test_a_tree_without_git_is_the_base_version(tmp_path) -> None:
+    (tmp_path / "pyproject.toml").write_text("")
+    assert _version.commit(str(tmp_path)) is None
+    assert _version.of_checkout(str(tmp_path)) == _version.BASE
+
+
+def test_a_checkout_with_packed_refs(tmp_path) -> None:
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / "pyproject.toml").write_text("")
+    git = tmp_path / ".git"
+    git.mkdir()
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert _version.commit(str(tmp_path)) == sha
+    (git / "HEAD").write_text(sha + "\n")  # detached
+    assert _version.commit(str(tmp_path)) == sha
 
 
 def test_the_active_line_names_the_plugin_version() -> None:

@@ -78,8 +78,12 @@ def test_metric_names_are_the_plugins() -> None:
 
 
 def test_the_version_and_the_dockerfiles() -> None:
-    pin = f"vllm-mmcache-fix=={VERSION}"
-    assert pin in guide_blocks()["install-offline"][1]
+    # The wheel just built is the one in wheels/ (its version carries the commit); the
+    # published command names the release the development version leads to.
+    pin = "--find-links /tmp/wheels vllm-mmcache-fix \\\n"
+    assert guide_blocks()["install-offline"][1].strip().endswith("wheels/ vllm-mmcache-fix")
+    release = VERSION.split(".dev")[0]
+    assert f"Once it is published: `pip install vllm-mmcache-fix=={release}`" in README.read_text()
     lang, body = guide_blocks()["dockerfile-gpu"]
     assert lang == "dockerfile"
     assert body == (REPO_ROOT / "examples" / "Dockerfile.gpu").read_text()

@@ -11,20 +11,26 @@ import for the others, until it answers True ("done"). So no caller writes
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
-from types import ModuleType
-from typing import Any
 
-Callback = Callable[[str], bool]
-"""``callback(module_name)``: True when the subscriber needs no further imports."""
+TYPE_CHECKING = False  # as typing's, without importing typing in every vLLM process
+if TYPE_CHECKING:
+    import importlib.machinery
+    from collections.abc import Callable, Iterable
+    from types import ModuleType
+    from typing import Any
+
+    Callback = Callable[[str], bool]
+    """``callback(module_name)``: True when the subscriber needs no further imports."""
 
 
-class _NotifyingLoader(importlib.abc.Loader):
-    """Delegates to the real loader and reports when the module is executed."""
+class _NotifyingLoader:
+    """Delegates to the real loader and reports when the module is executed.
+
+    The import system asks a loader for ``create_module`` and ``exec_module`` only (no
+    ``importlib.abc`` base: importing it costs more than everything else here)."""
 
     def __init__(self, loader: Any, callback: Callable[[str], None]) -> None:
         self._loader = loader
@@ -58,7 +64,7 @@ class Subscription:
         self.done = False
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
     """The package's one entry in ``sys.meta_path``; fans out to subscriptions."""
 
     def __init__(self) -> None:
@@ -67,7 +73,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _watched() or getattr(self._local, "busy", False):
+        if fullname not in _watched or getattr(self._local, "busy", False):
             return None
         self._local.busy = True
         try:
@@ -82,18 +88,32 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             self._local.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = _NotifyingLoader(spec.loader, _notify)
+        spec.loader = _NotifyingLoader(spec.loader, _notify)  # type: ignore[assignment]
         return spec
 
 
 _lock = threading.RLock()
+
+
+def _renew_lock() -> None:
+    """A forked child gets a fresh lock: one held by another thread at the fork stays held
+    (vLLM forks EngineCore and workers while other threads may be importing)."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 _subscriptions: list[Subscription] = []
 _finder = _PostImportFinder()
+_watched: frozenset[str] = frozenset()
+"""Every subscription's names, rebuilt when one comes or goes: the finder is asked about
+every import of the process and reads it without the lock."""
 
 
-def _watched() -> frozenset[str]:
-    with _lock:
-        return frozenset().union(*(s.names for s in _subscriptions))
+def _update_watched() -> None:
+    global _watched
+    _watched = frozenset().union(*(s.names for s in _subscriptions))
 
 
 def _notify(name: str) -> None:
@@ -118,6 +138,7 @@ def when_imported(names: Iterable[str], callback: Callback) -> Subscription:
     sub = Subscription(ordered, callback)
     with _lock:
         _subscriptions.append(sub)
+        _update_watched()
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
     for name in ordered:
@@ -135,6 +156,7 @@ def cancel(sub: Subscription | None) -> None:
     with _lock:
         if sub in _subscriptions:
             _subscriptions.remove(sub)
+            _update_watched()
         if not _subscriptions and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
 

@@ -21,8 +21,9 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from .records import frozen
 
 # Set on every replacement this package installs.
 PATCH_MARKER = "__mmcache_fix_patch__"
@@ -39,7 +40,7 @@ class _Absent:
 ABSENT: Any = _Absent()
 
 
-@dataclass(frozen=True)
+@frozen
 class Applied:
     patch_id: str
     owner: type
@@ -54,7 +55,7 @@ class Applied:
         return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attr}"
 
 
-@dataclass(frozen=True)
+@frozen
 class _InstanceChange:
     patch_id: str
     ref: Any  # weakref.ref to the object

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from .records import frozen
 
 ENV_MODE = "MMCACHE_FIX_MODE"
 ENV_DRIFT = "MMCACHE_FIX_DRIFT"
@@ -43,7 +44,7 @@ DEFAULT_DRIFT = DriftMode.ON
 E = TypeVar("E", bound=enum.Enum)
 
 
-@dataclass(frozen=True)
+@frozen
 class Setting(Generic[E]):
     value: E
     problem: str | None = None
@@ -92,7 +93,7 @@ MIN_HEALTH_TIMEOUT = 5.0
 API server may take a second to read an answer, so a shorter one would judge a healthy engine."""
 
 
-@dataclass(frozen=True)
+@frozen
 class FloatSetting:
     value: float
     problem: str | None = None
@@ -152,7 +153,7 @@ ENV_PATCHES_DIR = "MMCACHE_FIX_PATCHES_DIR"
 ENV_PREFIX = "MMCACHE_FIX_"
 
 
-@dataclass(frozen=True)
+@frozen
 class Reading:
     """One setting as a process would read it: the value it uses and, if the environment's
     value was not usable (or is risky), one sentence saying why."""
@@ -184,7 +185,7 @@ def _read_patches_dir(environ: Mapping[str, str]) -> Reading:
     return Reading(path)
 
 
-@dataclass(frozen=True)
+@frozen
 class SettingSpec:
     name: str
     default: str
@@ -273,7 +274,7 @@ def setting_names() -> list[str]:
     )
 
 
-@dataclass(frozen=True)
+@frozen
 class SettingReport:
     name: str
     raw: str | None

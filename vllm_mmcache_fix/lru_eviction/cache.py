@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 _NO_VICTIM = object()
@@ -30,13 +29,28 @@ QUIET_ATTR = "_mmcache_fix_quiet"
 BASE_ATTR = "__mmcache_fix_base__"
 
 
-@dataclass
 class RepairStats:
-    """How often this process had to repair a cache whose order and data disagreed."""
+    """How often this process had to repair a cache whose order and data disagreed.
 
-    ghost_keys_dropped: int = 0
-    orphans_restored: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    A plain class (not a dataclass): every vLLM process imports this module."""
+
+    def __init__(self, ghost_keys_dropped: int = 0, orphans_restored: int = 0) -> None:
+        self.ghost_keys_dropped = ghost_keys_dropped
+        self.orphans_restored = orphans_restored
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"RepairStats(ghost_keys_dropped={self.ghost_keys_dropped!r}, "
+            f"orphans_restored={self.orphans_restored!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RepairStats):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass was
 
     def as_dict(self) -> dict[str, int]:
         return {

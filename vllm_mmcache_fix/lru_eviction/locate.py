@@ -15,17 +15,17 @@ builds work.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ..core.records import frozen
 from ..vllm_layout import FACTORY_LAYOUTS, FACTORY_WATCHED_MODULES, LRU_MODULES
 from ..vllm_layout import MM_CACHE_FACTORY as FACTORY
 
 WATCHED_MODULES = FACTORY_WATCHED_MODULES
 
 
-@dataclass(frozen=True)
+@frozen
 class CacheFactory:
     """Where ``get_lru_cache`` lives in the installed vLLM."""
 

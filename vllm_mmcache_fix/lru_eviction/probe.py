@@ -7,13 +7,15 @@ cache, plants one condition and makes a single call: it can never loop.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
+
+from ..core.records import frozen
 
 _GHOST = "mmcache-fix-probe-ghost"
 
 
-@dataclass(frozen=True)
+@frozen
 class Exposure:
     """What a given LRU class does with keys that have no data."""
 
