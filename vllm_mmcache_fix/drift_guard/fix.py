@@ -68,7 +68,7 @@ class DriftGuard(Fix):
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
         records.clear()
-        records.shadows.clear()
+        records.clear_shadows()
         STATE.mode = None
         STATE.installed = False
         STATE.tracking = False
@@ -97,7 +97,7 @@ class DriftGuard(Fix):
         with STATE.lock:
             if STATE.switched_off is None:
                 STATE.switched_off = f"internal error at {where}: {exc!r}"
-            for shadow in list(records.shadows):
+            for shadow in records.live_shadows():
                 sender.detach(shadow)
             records.clear()
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")

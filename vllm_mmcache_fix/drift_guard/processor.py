@@ -95,15 +95,17 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
         ctx.bypassed.clear()
         with _S_MERGE_AFTER:
             if shadow.alive:
-                _after_merge(out, shadow.evictions, journal, ctx)
+                with shadow.lock:
+                    evictions = shadow.evictions
+                    if journal is not None:
+                        journal.evictions_mark = evictions
+                _after_merge(out, journal, ctx)
         return out
 
     return _merge_mm_kwargs
 
 
-def _after_merge(out: Any, evictions: int, journal: Journal | None, ctx: Any) -> None:
-    if journal is not None:
-        journal.evictions_mark = evictions
+def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
     try:
         mm_kwargs = out[0]
     except Exception:

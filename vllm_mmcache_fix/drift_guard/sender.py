@@ -25,6 +25,7 @@ SHADOW_ATTR = "_mmcache_fix_drift"
 _UNSUPPORTED = False  # stored in the instance when its cache cannot be tracked
 
 _S_INIT = ERRORS.site("sender.__init__")
+_S_EVICT_BEFORE = ERRORS.site("sender.evict:before")
 _S_EVICT = ERRORS.site("sender.evict")
 _S_IS_CACHED = ERRORS.site("sender.is_cached_item")
 _S_TOUCH_BEFORE = ERRORS.site("sender.touch_sender_cache_item:before")
@@ -60,6 +61,10 @@ def _attach(sender: Any) -> Shadow | None:
     cls_popitem = type(lru).popitem
 
     def popitem(*args: Any, **kwargs: Any) -> Any:
+        with _S_EVICT_BEFORE:
+            if shadow.alive:
+                # A key a rollback left behind newer ones is evicted in its turn.
+                shadow.settle_front()
         key, value = cls_popitem(lru, *args, **kwargs)
         with _S_EVICT:
             if shadow.alive:
@@ -68,7 +73,7 @@ def _attach(sender: Any) -> Shadow | None:
 
     registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
     registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
-    records.shadows.add(shadow)
+    records.add_shadow(shadow)
     STATE.tracking = True
     return shadow
 
@@ -77,7 +82,7 @@ def detach(shadow: Shadow) -> None:
     """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
     shadow.alive = False
     registry.revert_instance_attr(shadow.lru, "popitem")
-    records.shadows.discard(shadow)
+    records.discard_shadow(shadow)
 
 
 def shadow_of(sender: Any) -> Shadow | None:
