@@ -14,7 +14,7 @@ from ..core.process import process_label
 from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
-from . import processor, records, recovery, sender
+from . import handoff, processor, records, recovery, sender
 from .state import ERRORS, FIX_ID, STATE
 from .stats import STATS
 
@@ -26,7 +26,11 @@ WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
     "sender": sender.WRAPPERS,
     "processor": (("_merge_mm_kwargs", processor.wrap_merge), ("apply", processor.wrap_apply)),
     "process_inputs": (("process_inputs", processor.wrap_process_inputs),),
-    "generate": (("generate", recovery.wrap_generate),),
+    "generate": (
+        ("generate", recovery.wrap_generate),
+        ("add_request", handoff.wrap_add_request),
+        ("check_admission", handoff.wrap_check_admission),
+    ),
 }
 """Target name (``vllm_layout.DRIFT_TARGETS``) -> (method, wrapper factory)."""
 

@@ -139,18 +139,27 @@ def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any]
     require_prefix(orig, ("self", "mm_hash"), what="is_cached_item")
 
     def is_cached_item(self: Any, mm_hash: Any) -> bool:
-        hit = orig(self, mm_hash)
-        if hit and STATE.live:
+        shadow = None
+        if STATE.live:
             with _S_IS_CACHED:
                 shadow = _live_shadow(self)
-                if shadow is not None:
-                    ctx = scope()
-                    if shadow.looks_uncached(mm_hash, ctx.journal):
-                        # Inserted or moved by a request that has not reached
-                        # EngineCore yet, or doubtful: have the caller send the data.
-                        STATS.add("tentative_bypasses")
-                        ctx.bypassed.add(mm_hash)
-                        return False
+        if shadow is None:
+            return orig(self, mm_hash)
+        # vLLM's answer and the guard's correction are read together: a rollback on the
+        # event loop may remove the key in between (vLLM would then send a key it no
+        # longer holds as cached: "Expected a cached item").
+        with shadow.lock:
+            hit = orig(self, mm_hash)
+            if hit:
+                with _S_IS_CACHED:
+                    if shadow.alive:
+                        ctx = scope()
+                        if shadow.looks_uncached(mm_hash, ctx.journal):
+                            # Inserted or moved by a request that has not reached
+                            # EngineCore yet, or doubtful: have the caller send the data.
+                            STATS.add("tentative_bypasses")
+                            ctx.bypassed.add(mm_hash)
+                            return False
         return hit
 
     return is_cached_item
