@@ -241,7 +241,10 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
     p0_data = set(p0._cache._Cache__data)
     p1_data = set(p1._cache._Cache__data)
     doubtful = set(shadow.doubtful) if shadow else set()
-    p0_order = shadow.logical_order() if shadow else list(p0._cache._LRUCache__order)
+    # (the LRU order with keys a rollback left behind where they belong; a plugin
+    # before that placement has only the LRU order: the run works on either)
+    logical = getattr(shadow, "logical_order", None)
+    p0_order = logical() if logical else list(p0._cache._LRUCache__order)
     common = p0_data & p1_data
     out = {
         "vllm": vllm.__version__,
