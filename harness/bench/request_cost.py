@@ -50,6 +50,7 @@ def _vllm() -> dict[str, Any]:
     except ImportError:
         mod = mm_cache
     import vllm.multimodal.processing as mm_processing
+    import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate; recovery on)
     import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
     from vllm.multimodal.parse import ImageProcessorItems, MultiModalDataItems
     from vllm.multimodal.processing.inputs import ProcessorInputs
@@ -58,13 +59,19 @@ def _vllm() -> dict[str, Any]:
         getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
     )
 
-    def make_sender(items: int) -> Any:
+    def sender_of(size: float) -> Any:
         cfg = types.SimpleNamespace(
-            get_multimodal_config=lambda: types.SimpleNamespace(
-                mm_processor_cache_gb=(items + 0.5) * ITEM / 2**30
-            )
+            get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=size / 2**30)
         )
         return sender_cls(cfg)
+
+    # What one cached item counts for in the sender cache (metadata and overhead).
+    probe = sender_of(100 * ITEM)
+    probe.get_and_update_item((torch.zeros(ITEM, dtype=torch.uint8), []), "probe")
+    item_size = probe._cache.currsize
+
+    def make_sender(items: int) -> Any:
+        return sender_of((items + 0.5) * item_size)
 
     image = PIL.Image.new("RGB", (896, 896))
 
@@ -127,7 +134,8 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
         if patched:
             apply = processor.wrap_apply(apply)
             process_inputs = processor.wrap_process_inputs(_build)
-        apply(None, request_inputs)  # the image is cached from now on
+        # The image is cached (and has reached EngineCore) from now on.
+        process_inputs(None, "warm-up", apply(None, request_inputs), None)
         t0 = time.perf_counter()
         for i in range(requests):
             prompt = apply(None, request_inputs)
@@ -135,8 +143,9 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
             process_inputs(None, f"r{i}", prompt, None)
             if slot is not None:
                 attempt = records.close_slot(slot)
-                if attempt is not None:
-                    attempt.release()
+                # The request sent its image as cached: its inputs were sized and kept.
+                assert attempt is not None and attempt.replay is not None
+                attempt.release()
         return (time.perf_counter() - t0) / requests
 
     without: list[float] = []
@@ -166,11 +175,13 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     from vllm_mmcache_fix.drift_guard import processor, records
 
     def fill() -> tuple[Any, Any]:
+        """``entries`` requests, each reaching EngineCore (committed)."""
         sender = v["make_sender"](entries)
         merge = v["merge"]()
+        process_inputs = processor.wrap_process_inputs(_build)
         for i in range(entries):
             h = f"img{i}"
-            merge(
+            mm_kwargs, _ = merge(
                 _STUB,
                 sender,
                 mm_hashes={"image": [h]},
@@ -178,6 +189,8 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
                 mm_missing_kwargs={"image": [v["item"]()]},
                 mm_missing_prompt_updates={"image": [[]]},
             )
+            prompt = {"mm_kwargs": mm_kwargs, "mm_hashes": {"image": [h]}}
+            process_inputs(None, h, prompt, None)
         return sender, merge
 
     def rejected_request(sender: Any, merge: Any, n: int) -> Any:
@@ -196,13 +209,18 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     drift.install()
     times: list[float] = []
     sender, merge = fill()
+    assert len(sender._cache) == entries, (len(sender._cache), entries)
+    reorders = drift.status()["counts"]["rollback_reorders"]
     for n in range(rounds):
+        assert f"img{entries // 2 + n}" in sender._cache
         mm_kwargs = rejected_request(sender, merge, n)
         record = records.take(mm_kwargs)
         assert record is not None and record.journal is not None
         t0 = time.perf_counter()
         records.rollback(record.journal, "benchmark")
         times.append(time.perf_counter() - t0)
+    # Every rollback put a key back in the middle of the order (and the evicted one back).
+    assert drift.status()["counts"]["rollback_reorders"] - reorders == rounds
     # The request path without the plugin, for scale: the same request, not rejected.
     drift.uninstall()
     plain, merge = fill()
@@ -210,7 +228,6 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     for n in range(rounds):
         rejected_request(plain, merge, n)
     path = (time.perf_counter() - t0) / rounds
-    del processor
     return {
         "cache_entries": entries,
         "rollback_us_median": round(statistics.median(times) * 1e6, 1),
