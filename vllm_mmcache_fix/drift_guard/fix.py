@@ -14,7 +14,7 @@ from ..core.process import process_label
 from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
-from . import processor, records, recovery, sender
+from . import handoff, processor, records, recovery, sender
 from .state import ERRORS, FIX_ID, STATE
 from .stats import STATS
 
@@ -26,7 +26,11 @@ WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
     "sender": sender.WRAPPERS,
     "processor": (("_merge_mm_kwargs", processor.wrap_merge), ("apply", processor.wrap_apply)),
     "process_inputs": (("process_inputs", processor.wrap_process_inputs),),
-    "generate": (("generate", recovery.wrap_generate),),
+    "generate": (
+        ("generate", recovery.wrap_generate),
+        ("add_request", handoff.wrap_add_request),
+        ("check_admission", handoff.wrap_check_admission),
+    ),
 }
 """Target name (``vllm_layout.DRIFT_TARGETS``) -> (method, wrapper factory)."""
 
@@ -68,7 +72,7 @@ class DriftGuard(Fix):
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
         records.clear()
-        records.shadows.clear()
+        records.clear_shadows()
         STATE.mode = None
         STATE.installed = False
         STATE.tracking = False
@@ -97,7 +101,7 @@ class DriftGuard(Fix):
         with STATE.lock:
             if STATE.switched_off is None:
                 STATE.switched_off = f"internal error at {where}: {exc!r}"
-            for shadow in list(records.shadows):
+            for shadow in records.live_shadows():
                 sender.detach(shadow)
             records.clear()
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")

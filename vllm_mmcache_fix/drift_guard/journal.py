@@ -26,6 +26,7 @@ cannot know what EngineCore evicted instead; the keys it moves back become
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections.abc import Iterable
@@ -35,6 +36,8 @@ PENDING, COMMITTED, ROLLED_BACK = 0, 1, 2
 PENDING_LEVEL = 1 << 62
 """Positions of moves by pending requests start here: above every position EngineCore has
 (those count up from 0 in the order requests reach it)."""
+PLACE_SCAN = 64
+"""A rollback looks this many keys in from either end of the order for a key's place."""
 
 Key = Any  # cache keys are mm hashes (str); kept loose for test doubles
 
@@ -72,8 +75,6 @@ class Journal:
 
     def __init__(self, shadow: Shadow) -> None:
         self.shadow = shadow
-        shadow.pending[self] = None
-        self.epoch = shadow.epoch
         self.state = PENDING
         # key -> access counter before this request first touched it (key was present)
         self.prev_seq: dict[Key, int | None] = {}
@@ -89,6 +90,12 @@ class Journal:
         self.sent_without_data = 0
         # doubtful keys whose data this request sent
         self.cleared: list[Key] = []
+        # Registered last, under the shadow's lock: the journal is opened on vLLM's
+        # multimodal executor thread while the event loop commits others (whose
+        # commit walks ``pending``).
+        with shadow.lock:
+            self.epoch = shadow.epoch
+            shadow.pending[self] = None
 
 
 class Rollback:
@@ -104,7 +111,13 @@ class Rollback:
 
 
 class Shadow:
-    """Bookkeeping attached to one sender cache's ``LRUCache`` (``lru``)."""
+    """Bookkeeping attached to one sender cache's ``LRUCache`` (``lru``).
+
+    Shared by vLLM's threads: journals open and the cache changes on the
+    multimodal executor thread (``_merge_mm_kwargs``) while the event loop
+    commits and rolls back. Every method that reads or changes this state takes
+    ``lock`` (re-entrant: the sender wrappers hold it across vLLM's call).
+    """
 
     def __init__(self, lru: Any) -> None:
         self.lru = lru
@@ -125,6 +138,10 @@ class Shadow:
         """Journals of requests processed here and not resolved yet, in processing order
         (every journal is resolved: committed, rolled back, or dropped with a reset)."""
         self.evictions = 0
+        self.misplaced: dict[Key, int] = {}
+        """Keys a rollback left later in the order than their counter says (see ``_place``)."""
+        self._misplaced_heap: list[tuple[int, int, Key]] = []
+        self._ties = itertools.count()
         order = lru._LRUCache__order
         self.counter = itertools.count()
         """Positions of pending moves (above ``PENDING_LEVEL``), in processing order."""
@@ -137,27 +154,31 @@ class Shadow:
     # -- observation --------------------------------------------------------------
 
     def on_evict(self, key: Key, value: Any, journal: Journal | None) -> None:
-        self.evictions += 1
-        doubtful = key in self.doubtful
-        self.doubtful.discard(key)
-        seq = self.seq.pop(key, None)
-        base = self.base.pop(key, None)
-        owner = self.owner.pop(key, None)
-        if journal is not None and journal.shadow is self:
-            journal.evicted.append(Evicted(key, value, seq, base, owner, doubtful))
+        with self.lock:
+            self.evictions += 1
+            self._unmark(key)
+            doubtful = key in self.doubtful
+            self.doubtful.discard(key)
+            seq = self.seq.pop(key, None)
+            base = self.base.pop(key, None)
+            owner = self.owner.pop(key, None)
+            if journal is not None and journal.shadow is self:
+                journal.evicted.append(Evicted(key, value, seq, base, owner, doubtful))
 
     def note_access(self, key: Key, journal: Journal | None, prev: int | None) -> int:
-        if journal is None:
-            stamp = self.base[key] = next(self.arrivals)
-            self.seq[key] = stamp
-        else:
-            stamp = self.seq[key] = PENDING_LEVEL + next(self.counter)
-            if key not in journal.my_seq:
-                journal.prev_seq[key] = prev
-                if prev is not None:
-                    self.touched.setdefault(key, []).append(journal)
-            journal.my_seq[key] = stamp
-        return stamp
+        with self.lock:
+            self._unmark(key)  # (every access moves the key to the end)
+            if journal is None:
+                stamp = self.base[key] = next(self.arrivals)
+                self.seq[key] = stamp
+            else:
+                stamp = self.seq[key] = PENDING_LEVEL + next(self.counter)
+                if key not in journal.my_seq:
+                    journal.prev_seq[key] = prev
+                    if prev is not None:
+                        self.touched.setdefault(key, []).append(journal)
+                journal.my_seq[key] = stamp
+            return stamp
 
     def note_update(
         self, key: Key, journal: Journal | None, present: bool, prev: int | None, with_data: bool
@@ -167,24 +188,25 @@ class Shadow:
         ``present``: it was there before the call; ``prev``: its access counter
         then; ``with_data``: the caller passed the item's data.
         """
-        if with_data and key in self.doubtful:
-            self.doubtful.discard(key)
+        with self.lock:
+            if with_data and key in self.doubtful:
+                self.doubtful.discard(key)
+                if journal is not None:
+                    journal.cleared.append(key)
+            self.note_access(key, journal, prev if present else None)
+            owner = self.owner
             if journal is not None:
-                journal.cleared.append(key)
-        self.note_access(key, journal, prev if present else None)
-        owner = self.owner
-        if journal is not None:
-            if not present:
-                journal.prev_seq.pop(key, None)
-                journal.inserted.append(key)
-                owner[key] = journal
-            elif with_data:
-                holder = owner.get(key)
-                if holder is not None and holder is not journal:
-                    journal.adopted.setdefault(key, holder)
+                if not present:
+                    journal.prev_seq.pop(key, None)
+                    journal.inserted.append(key)
                     owner[key] = journal
-        elif present and with_data:
-            owner.pop(key, None)
+                elif with_data:
+                    holder = owner.get(key)
+                    if holder is not None and holder is not journal:
+                        journal.adopted.setdefault(key, holder)
+                        owner[key] = journal
+            elif present and with_data:
+                owner.pop(key, None)
 
     def looks_uncached(self, key: Key, current: Journal | None) -> bool:
         """True when ``key`` is cached here but EngineCore may not hold it yet.
@@ -193,12 +215,13 @@ class Shadow:
         one (EngineCore has not seen that move and may evict ``key`` where P0
         evicts others), or doubtful after a late rollback.
         """
-        holder = self.owner.get(key)
-        if holder is not None and holder is not current:
-            return True
-        if key in self.doubtful:
-            return True
-        return key in self.touched and self.at_risk(key, current)
+        with self.lock:
+            holder = self.owner.get(key)
+            if holder is not None and holder is not current:
+                return True
+            if key in self.doubtful:
+                return True
+            return key in self.touched and self.at_risk(key, current)
 
     def at_risk(self, key: Key, current: Journal | None) -> bool:
         for journal in self.touched.get(key, ()):
@@ -208,10 +231,12 @@ class Shadow:
 
     def forget(self, key: Key) -> None:
         """EngineCore reported ``key`` missing and vLLM dropped it from the cache."""
-        self.owner.pop(key, None)
-        self.seq.pop(key, None)
-        self.base.pop(key, None)
-        self.doubtful.discard(key)
+        with self.lock:
+            self.owner.pop(key, None)
+            self.seq.pop(key, None)
+            self.base.pop(key, None)
+            self.doubtful.discard(key)
+            self._unmark(key)
 
     def _release(self, journal: Journal) -> None:
         touched = self.touched
@@ -227,13 +252,29 @@ class Shadow:
                 del touched[key]
 
     def prune(self) -> None:
-        data = self.lru._Cache__data
-        if len(self.seq) > 2 * len(data) + 64:
-            self.seq = {k: v for k, v in self.seq.items() if k in data}
-        if len(self.base) > 2 * len(data) + 64:
-            self.base = {k: v for k, v in self.base.items() if k in data}
-        if len(self.doubtful) > len(data) + 64:
-            self.doubtful = {k for k in self.doubtful if k in data}
+        """Forget positions of keys that left the cache once they outnumber the cached ones.
+
+        A key evicted while its request was pending gets a position when the
+        request commits (a rollback of another pending request may bring it
+        back); without a rollback it would stay forever. Amortized O(1) per call:
+        the bound doubles with the cache, and a prune halves what it keeps.
+        """
+        with self.lock:
+            data = self.lru._Cache__data
+            limit = 2 * len(data) + 64
+            if len(self.seq) <= limit and len(self.base) <= limit:
+                if len(self.doubtful) <= len(data) + 64:
+                    return
+            wanted: set[Key] = set()
+            for journal in self.pending:
+                wanted.update(journal.my_seq)
+                wanted.update(entry.key for entry in journal.evicted)
+            if len(self.seq) > limit:
+                self.seq = {k: v for k, v in self.seq.items() if k in data or k in wanted}
+            if len(self.base) > limit:
+                self.base = {k: v for k, v in self.base.items() if k in data or k in wanted}
+            if len(self.doubtful) > len(data) + 64:
+                self.doubtful = {k for k in self.doubtful if k in data}
 
     def _position(self, key: Key) -> int | None:
         """Where ``key`` belongs in the order: EngineCore's position or a pending move."""
@@ -269,6 +310,7 @@ class Shadow:
                 if owner.get(key) is journal:
                     del owner[key]
             self._arrive(journal)
+            self.prune()
         return True
 
     def _arrive(self, journal: Journal) -> None:
@@ -317,7 +359,7 @@ class Shadow:
             data = lru._Cache__data
             owner, seq = self.owner, self.seq
             removed = restored = 0
-            moved = False
+            changed: list[Key] = []  # keys whose place in the order changed
             for key in journal.inserted:
                 if owner.get(key) is journal:
                     del owner[key]
@@ -350,7 +392,7 @@ class Shadow:
                 if position is None or seq.get(key) == position:
                     continue
                 seq[key] = position
-                moved = True
+                changed.append(key)
             for key in journal.cleared:
                 if key in data:
                     self.doubtful.add(key)
@@ -386,9 +428,8 @@ class Shadow:
                 position = self._position(key)
                 seq[key] = -1 if position is None else position
                 restored += 1
-                moved = True
-            if moved:
-                moved = self._reorder()
+                changed.append(key)
+            moved = self._place(changed) if changed else False
             self.prune()
         return Rollback(True, removed, restored, moved)
 
@@ -414,6 +455,8 @@ class Shadow:
             self.touched.clear()
             self.doubtful.clear()
             self.pending.clear()
+            self.misplaced.clear()
+            self._misplaced_heap = []
             self.seq.clear()
             for index, key in enumerate(self.lru._LRUCache__order):
                 self.seq[key] = index
@@ -421,6 +464,7 @@ class Shadow:
             self.arrivals = itertools.count(len(self.seq))
 
     def _drop(self, key: Key) -> None:
+        self._unmark(key)
         self.doubtful.discard(key)
         self.seq.pop(key, None)
         self.base.pop(key, None)
@@ -432,24 +476,122 @@ class Shadow:
             order[key] = None
         lru.pop(key, None)
 
-    def _reorder(self) -> bool:
-        """Sort the LRU order by access counter; True when something moved."""
+    def _place(self, keys: Iterable[Key]) -> bool:
+        """Put ``keys`` (their access counter changed) where their counter says in the order.
+
+        The rest of the order is sorted by counter, but for keys in ``misplaced``
+        (which may sit later than their counter says, never earlier). A key goes
+        to the front or the end, or next to the first key a scan of at most
+        ``PLACE_SCAN`` keys from either end finds; past that it is left where it
+        is and recorded as misplaced, and the eviction that reaches its counter
+        takes it first (:meth:`settle_front`). So a rollback costs what the
+        request touched, whatever the cache's size. True when something moved.
+        """
         order = self.lru._LRUCache__order
         seq = self.seq
-        ranked: list[tuple[int, int, Key]] = []
-        last = -(1 << 62)
-        ordered = True
-        for index, key in enumerate(order):
-            stamp = seq.get(key)
-            if stamp is None:
-                stamp = last
-            elif stamp < last:
-                ordered = False
-            last = max(last, stamp)
-            ranked.append((stamp, index, key))
-        if ordered:
-            return False
-        ranked.sort(key=lambda r: (r[0], r[1]))
-        for _, _, key in ranked:
-            order.move_to_end(key)
-        return True
+        moved = False
+        ranked = sorted(
+            ((seq[k], i, k) for i, k in enumerate(keys) if k in seq and k in order), reverse=True
+        )
+        # Until placed, each of them is out of place: no scan may stop at one.
+        for target, _, key in ranked:
+            self.misplaced[key] = target
+        for target, _, key in ranked:
+            del self.misplaced[key]
+            self._place_one(order, key, target)
+            moved = True
+        return moved
+
+    def _place_one(self, order: Any, key: Key, target: int) -> None:
+        seq, misplaced = self.seq, self.misplaced
+        # From the front: the keys before the first one that belongs after ``key``
+        # (misplaced keys newer than ``key`` end up after it, where they belong).
+        before: list[Key] = []
+        newer: list[Key] = []
+        for other in order:
+            if other == key:
+                continue
+            stamp = seq.get(other)
+            if stamp is not None and stamp > target:
+                if other not in misplaced:
+                    order.move_to_end(key, last=False)
+                    for earlier in reversed(before):
+                        order.move_to_end(earlier, last=False)
+                    return
+                newer.append(other)
+            else:
+                before.append(other)
+            if len(before) + len(newer) >= PLACE_SCAN:
+                break
+        else:
+            order.move_to_end(key)  # it belongs after every key in place
+            for later in newer:
+                order.move_to_end(later)
+            return
+        # From the end: the keys after the last one in place that belongs before ``key``.
+        after: list[Key] = []
+        for other in reversed(order):
+            if other == key:
+                continue
+            stamp = seq.get(other)
+            if stamp is not None and stamp < target and other not in misplaced:
+                order.move_to_end(key)
+                for later in reversed(after):
+                    order.move_to_end(later)
+                return
+            after.append(other)
+            if len(after) >= PLACE_SCAN:
+                break
+        # Far from both ends: left where it is, behind keys newer than it.
+        misplaced[key] = target
+        heapq.heappush(self._misplaced_heap, (target, next(self._ties), key))
+        if len(self._misplaced_heap) > 2 * len(misplaced) + 64:
+            self._misplaced_heap = [(stamp, next(self._ties), k) for k, stamp in misplaced.items()]
+            heapq.heapify(self._misplaced_heap)
+
+    def _unmark(self, key: Key) -> None:
+        """``key`` is where its counter says now (moved, accessed or gone)."""
+        if self.misplaced:
+            self.misplaced.pop(key, None)
+
+    def settle_front(self) -> None:
+        """Before an eviction: bring the misplaced key that is oldest of all to the front."""
+        with self.lock:
+            if not self.misplaced:
+                return
+            order = self.lru._LRUCache__order
+            heap, misplaced, seq = self._misplaced_heap, self.misplaced, self.seq
+            while heap:
+                target, _, key = heap[0]
+                if misplaced.get(key) != target or seq.get(key) != target or key not in order:
+                    heapq.heappop(heap)
+                    if misplaced.get(key) == target:
+                        del misplaced[key]
+                    continue
+                front = next(iter(order), None)
+                stamp = seq.get(front) if front is not None else None
+                if stamp is not None and target < stamp:
+                    heapq.heappop(heap)
+                    del misplaced[key]
+                    order.move_to_end(key, last=False)
+                return
+
+    def logical_order(self) -> list[Key]:
+        """The order as EngineCore has it: the LRU order with misplaced keys where they belong
+        (for checks and tests; sorts the whole order)."""
+        with self.lock:
+            order = list(self.lru._LRUCache__order)
+            if not self.misplaced:
+                return order
+            rest = [k for k in order if k not in self.misplaced]
+            result: list[Key] = []
+            pending = sorted(self.misplaced.items(), key=lambda kv: kv[1])
+            i = 0
+            for key in rest:
+                stamp = self.seq.get(key)
+                while i < len(pending) and stamp is not None and pending[i][1] < stamp:
+                    result.append(pending[i][0])
+                    i += 1
+                result.append(key)
+            result.extend(k for k, _ in pending[i:])
+            return result

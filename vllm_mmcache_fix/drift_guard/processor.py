@@ -5,7 +5,9 @@
 - ``BaseMultiModalProcessor._merge_mm_kwargs``: the sender-cache updates of one
   request happen inside it, so its journal is open exactly then;
 - ``process_inputs``: the commit point. A request that becomes an
-  ``EngineCoreRequest`` commits its journal; one that raises is rolled back.
+  ``EngineCoreRequest`` commits its journal (or, where vLLM's admission control may
+  still refuse it, stages it for the hand-off: :mod:`.handoff`); one that raises is
+  rolled back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from ..core.signatures import reader
 from . import records
 from .context import scope
+from .handoff import staging
 from .journal import Journal
 from .sender import shadow_of
 from .state import ERRORS, STATE
@@ -95,15 +98,17 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
         ctx.bypassed.clear()
         with _S_MERGE_AFTER:
             if shadow.alive:
-                _after_merge(out, shadow.evictions, journal, ctx)
+                with shadow.lock:
+                    evictions = shadow.evictions
+                    if journal is not None:
+                        journal.evictions_mark = evictions
+                _after_merge(out, journal, ctx)
         return out
 
     return _merge_mm_kwargs
 
 
-def _after_merge(out: Any, evictions: int, journal: Journal | None, ctx: Any) -> None:
-    if journal is not None:
-        journal.evictions_mark = evictions
+def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
     try:
         mm_kwargs = out[0]
     except Exception:
@@ -157,8 +162,13 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         with _S_INPUTS_AFTER:
             if STATE.live:
                 replay = None
+                handoff = staging()  # admission control may still refuse the request
                 for record in records.records_of(prompt_arg.get(args, kwargs), collector):
-                    if record.journal is not None:
+                    if record.journal is None:
+                        pass
+                    elif handoff is not None:
+                        handoff.journals.append(record.journal)
+                    else:
                         records.commit(record.journal)
                     replay = replay or record.replay
                 if STATE.recovery:

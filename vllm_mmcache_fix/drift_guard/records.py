@@ -113,11 +113,36 @@ _slots: dict[int, list[Slot]] = {}
 _slots_lock = threading.Lock()
 _replays = ReplayBudget(MAX_REPLAY_BYTES)
 shadows: weakref.WeakSet[Shadow] = weakref.WeakSet()
+"""The tracked sender caches: attached on whichever thread first uses one, read on the
+event loop; changed and copied under ``_shadows_lock`` only (:func:`live_shadows`)."""
+_shadows_lock = threading.Lock()
 _rollback_limiter = log.RateLimiter(LOG_INTERVAL_S)
 
 
+def add_shadow(shadow: Shadow) -> None:
+    with _shadows_lock:
+        shadows.add(shadow)
+
+
+def discard_shadow(shadow: Shadow) -> None:
+    with _shadows_lock:
+        shadows.discard(shadow)
+
+
+def live_shadows() -> list[Shadow]:
+    """A copy of the tracked shadows (iterating the set itself races with attaching)."""
+    with _shadows_lock:
+        return list(shadows)
+
+
+def clear_shadows() -> None:
+    with _shadows_lock:
+        shadows.clear()
+
+
 def pending() -> int:
-    return len(_registry)
+    with _registry_lock:
+        return len(_registry)
 
 
 def has_deferred() -> bool:
@@ -180,7 +205,8 @@ def take(obj: Any) -> Record | None:
 
 
 def lookup(obj: Any) -> Record | None:
-    entry = _registry.get(id(obj))
+    with _registry_lock:
+        entry = _registry.get(id(obj))
     if entry is not None and entry[0]() is obj:
         return entry[1]
     return None
@@ -340,18 +366,21 @@ def estimate_bytes(root: Any) -> int:
 
     Counted: ``nbytes`` (numpy arrays, torch tensors), PIL images (width x height x
     bands), bytes and strings. Caches met on the way (anything named ``cache``, any
-    cachetools cache) are not entered; the walk stops after ``_SIZE_WALK_LIMIT`` objects.
+    cachetools cache) are not entered, nor sequences of numbers (token ids: a prompt's
+    length must not set the cost). Every object looked at counts toward
+    ``_SIZE_WALK_LIMIT``, after which the walk stops: the cost is bounded whatever the
+    request holds.
     """
     total = 0
     seen: set[int] = set()
     stack = [root]
-    visited = 0
-    while stack and visited < _SIZE_WALK_LIMIT:
+    budget = _SIZE_WALK_LIMIT
+    while stack and budget > 0:
         obj = stack.pop()
-        if obj is None or isinstance(obj, (bool, int, float)) or id(obj) in seen:
+        budget -= 1
+        if obj is None or isinstance(obj, _SCALARS) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        visited += 1
         if isinstance(obj, (bytes, bytearray, str)):
             total += len(obj)
             continue
@@ -367,16 +396,24 @@ def estimate_bytes(root: Any) -> int:
             continue
         if isinstance(obj, Mapping):
             try:
-                stack.extend(v for k, v in obj.items() if k not in _NOT_WALKED)
+                values = (v for k, v in obj.items() if k not in _NOT_WALKED)
+                stack.extend(itertools.islice(values, budget))
             except Exception:
                 pass
             continue
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
+        if isinstance(obj, (list, tuple)):
+            if obj and isinstance(obj[0], _SCALARS) and isinstance(obj[-1], _SCALARS):
+                continue  # numbers (token ids, offsets): no buffers in there
+            stack.extend(itertools.islice(obj, budget))
+            continue
+        if isinstance(obj, (set, frozenset)):
+            stack.extend(itertools.islice(obj, budget))
             continue
         fields = getattr(obj, "__dict__", None)
         if isinstance(fields, dict):
-            stack.extend(v for k, v in fields.items() if k not in _NOT_WALKED)
+            stack.extend(
+                itertools.islice((v for k, v in fields.items() if k not in _NOT_WALKED), budget)
+            )
         slots = getattr(type(obj), "__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             if name not in _NOT_WALKED and not name.startswith("__"):
@@ -384,6 +421,7 @@ def estimate_bytes(root: Any) -> int:
     return total
 
 
+_SCALARS = (bool, int, float)
 _NOT_WALKED = frozenset({"cache", "_cache"})
 
 

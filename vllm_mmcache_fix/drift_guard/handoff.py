@@ -1,0 +1,113 @@
+"""The hand-off to EngineCore: where a request's journals commit when vLLM may still refuse it.
+
+vLLM 0.32 added admission control to ``AsyncLLM`` (``--max-num-queued-reqs``,
+``--max-num-queued-tokens``): ``AsyncLLM.add_request`` builds the engine request
+(``process_inputs``), then ``check_admission`` may reject it (``QueueOverflowError``,
+``MaxQueuedTokensError``) before it is sent to EngineCore. A commit at ``process_inputs``
+would then record changes EngineCore never sees.
+
+Where ``AsyncLLM`` has ``check_admission``, its ``add_request`` opens a :class:`Handoff`
+(a context variable: the request's own task, whatever else the event loop runs);
+``process_inputs`` stages the request's journals there instead of committing them;
+``check_admission`` commits them when it admits the request and rolls them back when it
+rejects it; what is left when ``add_request`` ends is committed when it returned (a path
+without the check) and rolled back when it raised. Releases without admission control
+commit at ``process_inputs`` as before. The bookkeeping is guarded by the commit point's
+sites (``process_inputs:before/after/failed``): one piece of work, wherever vLLM calls it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+from . import records
+from .journal import Journal
+from .state import ERRORS, STATE
+
+_S_OPEN = ERRORS.site("process_inputs:before")
+_S_COMMIT = ERRORS.site("process_inputs:after")
+_S_ROLLBACK = ERRORS.site("process_inputs:failed")
+
+ADMISSION_CHECK = "check_admission"
+
+
+class Handoff:
+    """Journals of one ``add_request`` call waiting for the request to be admitted."""
+
+    __slots__ = ("journals", "open")
+
+    def __init__(self) -> None:
+        self.journals: list[Journal] = []
+        self.open = True
+
+
+_current: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar(
+    "mmcache_fix_handoff", default=None
+)
+
+
+def staging() -> Handoff | None:
+    """The open hand-off of the request being added in this context, if any.
+
+    (A task ``add_request`` started inherits its context: once the call has ended, its
+    hand-off is closed and such a task commits at ``process_inputs``.)
+    """
+    handoff = _current.get()
+    return handoff if handoff is not None and handoff.open else None
+
+
+def _resolve(handoff: Handoff, admitted: bool, why: str) -> None:
+    journals, handoff.journals = handoff.journals, []
+    for journal in journals:
+        if admitted:
+            records.commit(journal)
+        else:
+            records.rollback(journal, why)
+
+
+def wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handoff = None
+        with _S_OPEN:
+            if STATE.live and callable(getattr(type(self), ADMISSION_CHECK, None)):
+                handoff = Handoff()
+        if handoff is None:
+            return await orig(self, *args, **kwargs)
+        token = _current.set(handoff)
+        try:
+            result = await orig(self, *args, **kwargs)
+        except BaseException:
+            handoff.open = False
+            _current.reset(token)
+            with _S_ROLLBACK:
+                _resolve(handoff, False, "rejected before reaching EngineCore")
+            raise
+        handoff.open = False
+        _current.reset(token)
+        with _S_COMMIT:
+            _resolve(handoff, True, "")
+        return result
+
+    return add_request
+
+
+def wrap_check_admission(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def check_admission(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handoff = None
+        with _S_OPEN:
+            handoff = staging()
+        if handoff is None or not handoff.journals:
+            return orig(self, *args, **kwargs)
+        try:
+            result = orig(self, *args, **kwargs)
+        except BaseException:
+            with _S_ROLLBACK:
+                _resolve(handoff, False, "rejected by admission control")
+            raise
+        with _S_COMMIT:
+            _resolve(handoff, True, "")
+        return result
+
+    return check_admission
