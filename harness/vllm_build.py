@@ -138,7 +138,9 @@ def _sdist(root: Path, venv: Path, version: str) -> Path:
     if found:
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    # The sdist is named X; its metadata, built for the CPU, would say X+cpu, which pip
+    # refuses as inconsistent: no suffix for this metadata pass.
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_SKIP_VERSION_SUFFIX="1")
     _run(
         [str(venv / "bin" / "python"), "-m", "pip", "download", "--no-deps"]
         + ["--no-binary", ":all:", "--no-build-isolation", "-d", str(dest), f"vllm=={version}"],
@@ -288,9 +290,17 @@ def _check_system() -> None:
 
 
 def build(
-    version: str, *, jobs: int = 2, onednn_git: Path | None = None, force: bool = False
+    version: str,
+    *,
+    jobs: int = 2,
+    onednn_git: Path | None = None,
+    force: bool = False,
+    prepare_only: bool = False,
 ) -> Path:
-    """Build vLLM ``version`` for the CPU (resuming what is there); the wheel's path."""
+    """Build vLLM ``version`` for the CPU (resuming what is there); the wheel's path.
+
+    ``prepare_only``: stop before the compile, with every input in place (the unpacked
+    tree's path is returned)."""
     if os.environ.get(NO_BUILD_ENV):
         raise SystemExit(f"${NO_BUILD_ENV} is set: no vLLM build here")
     if not force:
@@ -322,6 +332,9 @@ def build(
     gcc = compiler_version()
     edits = _edits(src, gcc)
     t = lap("sources", t)
+    if prepare_only:
+        _log(f"prepared {src} (torch {torch}, oneDNN {tag} {onednn_commit[:12]}): not compiled")
+        return src
 
     dist = root / "dist"
     if dist.exists():
@@ -383,8 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         help=f"git directory of oneDNN (default ${ONEDNN_GIT_ENV})",
     )
     ap.add_argument("--force", action="store_true", help="build again even if a wheel is cached")
+    ap.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="fetch and unpack every input (sdist, build venv, oneDNN), compile nothing",
+    )
     args = ap.parse_args(argv)
-    print(build(args.version, jobs=args.jobs, onednn_git=args.onednn_git, force=args.force))
+    out = build(
+        args.version,
+        jobs=args.jobs,
+        onednn_git=args.onednn_git,
+        force=args.force,
+        prepare_only=args.prepare_only,
+    )
+    print(out)
     return 0
 
 
