@@ -244,6 +244,29 @@ def _onednn(tag: str, git_dir: Path | None) -> tuple[Path, str]:
     return dest, commit
 
 
+def _cuda_shim(root: Path, venv: Path) -> Path:
+    """A CUDA toolkit layout (``include``, ``lib64``) over the CUDA runtime packages the
+    index's torch installs into the build venv.
+
+    The index's torch is a CUDA build, and its CMake config stops unless it finds the
+    CUDA headers and runtime libraries (the ``+cpu`` build vLLM's page names would not
+    ask). Nothing is compiled for a GPU: the CPU extension only links torch."""
+    cu = sorted((venv / "lib").glob("python*/site-packages/nvidia/cu[0-9]*"))
+    if not cu:
+        raise RuntimeError(f"{venv}: torch installed no nvidia/cuXX runtime package")
+    shim = root / "cuda-shim"
+    if shim.exists():
+        shutil.rmtree(shim)
+    (shim / "lib64").mkdir(parents=True)
+    (shim / "include").symlink_to(cu[-1] / "include")
+    for lib in sorted((cu[-1] / "lib").glob("*.so.*")):
+        (shim / "lib64" / lib.name).symlink_to(lib)
+        plain = shim / "lib64" / (lib.name.split(".so.")[0] + ".so")
+        if not plain.exists():
+            plain.symlink_to(lib)
+    return shim
+
+
 def compiler_version() -> str:
     out = subprocess.run(
         [os.environ.get("CXX", "g++"), "-dumpfullversion"],
@@ -331,6 +354,7 @@ def build(
     onednn_src, onednn_commit = _onednn(tag, git_dir)
     gcc = compiler_version()
     edits = _edits(src, gcc)
+    cuda_shim = _cuda_shim(root, venv)
     t = lap("sources", t)
     if prepare_only:
         _log(f"prepared {src} (torch {torch}, oneDNN {tag} {onednn_commit[:12]}): not compiled")
@@ -341,11 +365,13 @@ def build(
         shutil.rmtree(dist)
     env = dict(
         os.environ,
+        # The build venv's cmake and ninja (vLLM needs CMake >= 3.26; Debian 12 has 3.25).
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         VLLM_TARGET_DEVICE="cpu",
         MAX_JOBS=str(jobs),
         FETCHCONTENT_SOURCE_DIR_ONEDNN=str(onednn_src),
         # No network: CMake must not try to update a fetched dependency.
-        CMAKE_ARGS="-DFETCHCONTENT_FULLY_DISCONNECTED=ON",
+        CMAKE_ARGS=f"-DFETCHCONTENT_FULLY_DISCONNECTED=ON -DCUDA_TOOLKIT_ROOT_DIR={cuda_shim}",
         CCACHE_DIR=str(cache_root() / "ccache"),
     )
     compile_start = time.monotonic()
