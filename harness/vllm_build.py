@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -267,6 +268,68 @@ def _cuda_shim(root: Path, venv: Path) -> Path:
     return shim
 
 
+def _attempts_file(root: Path) -> Path:
+    return root / "compile-attempts.json"
+
+
+def read_attempts(root: Path) -> list[dict[str, object]]:
+    """Every compile attempt in ``root`` so far: start, seconds, result."""
+    try:
+        data = json.loads(_attempts_file(root).read_text())
+    except (OSError, ValueError):
+        return []
+    return [a for a in data if isinstance(a, dict)] if isinstance(data, list) else []
+
+
+def _note_attempt(root: Path, attempt: dict[str, object]) -> None:
+    attempts = [a for a in read_attempts(root) if a.get("id") != attempt["id"]]
+    attempts.append(attempt)
+    tmp = _attempts_file(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(attempts, indent=1) + "\n")
+    tmp.replace(_attempts_file(root))
+
+
+def compile_seconds(attempts: list[dict[str, object]]) -> float:
+    """The compile time over every attempt (a resumed build goes on where one stopped)."""
+    total = 0.0
+    for a in attempts:
+        sec = a.get("seconds")
+        if isinstance(sec, (int, float)):
+            total += float(sec)
+    return round(total, 1)
+
+
+def _compile(root: Path, argv: list[str], env: dict[str, str], cwd: Path) -> float:
+    """Run the compile, noting the attempt (also when it fails or is stopped)."""
+    attempt: dict[str, object] = {
+        "id": time.time_ns(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": None,
+        "result": "running",
+    }
+    _note_attempt(root, attempt)
+    start = time.monotonic()
+
+    def stopped(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        _run(argv, env=env, cwd=str(cwd))
+        attempt["result"] = "ok"
+    except KeyboardInterrupt:
+        attempt["result"] = "stopped"
+        raise
+    except BaseException:
+        attempt["result"] = "failed"
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        attempt["seconds"] = round(time.monotonic() - start, 1)
+        _note_attempt(root, attempt)
+    return float(attempt["seconds"])  # type: ignore[arg-type]
+
+
 def compiler_version() -> str:
     out = subprocess.run(
         [os.environ.get("CXX", "g++"), "-dumpfullversion"],
@@ -374,14 +437,14 @@ def build(
         CMAKE_ARGS=f"-DFETCHCONTENT_FULLY_DISCONNECTED=ON -DCUDA_TOOLKIT_ROOT_DIR={cuda_shim}",
         CCACHE_DIR=str(cache_root() / "ccache"),
     )
-    compile_start = time.monotonic()
-    _run(
+    laps["compile"] = _compile(
+        root,
         [str(venv / "bin" / "python"), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
         + ["-v", "-w", str(dist), str(src)],
-        env=env,
-        cwd=str(src),
+        env,
+        src,
     )
-    lap("compile", compile_start)
+    attempts = read_attempts(root)
     (wheel,) = sorted(dist.glob("vllm-*.whl"))
     out_dir = built_wheels_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -393,7 +456,8 @@ def build(
         "version": version,
         "wheel": str(final),
         "wheel_bytes": final.stat().st_size,
-        "build_seconds": laps["compile"],
+        "build_seconds": compile_seconds(attempts),
+        "compile_attempts": attempts,
         "total_seconds": round(time.monotonic() - t0, 1),
         "laps": laps,
         "jobs": jobs,

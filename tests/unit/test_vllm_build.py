@@ -4,6 +4,7 @@ one edit it makes, and where it never builds (CI, the matrix's choices)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,21 @@ def test_no_build_where_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_build.NO_BUILD_ENV, "1")
     with pytest.raises(SystemExit, match="no vLLM build"):
         vllm_build.build("0.34.0")
+
+
+def test_compile_attempts_add_up_across_resumed_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    with pytest.raises(subprocess.CalledProcessError):
+        vllm_build._compile(tmp_path, [sys.executable, "-c", "raise SystemExit(3)"], env, tmp_path)
+    vllm_build._compile(
+        tmp_path, [sys.executable, "-c", "import time; time.sleep(0.2)"], env, tmp_path
+    )
+    attempts = vllm_build.read_attempts(tmp_path)
+    assert [a["result"] for a in attempts] == ["failed", "ok"]
+    assert all(isinstance(a["seconds"], float) for a in attempts)
+    assert attempts[1]["seconds"] >= 0.2  # type: ignore[operator]
+    total = vllm_build.compile_seconds(attempts)
+    assert total == round(sum(float(a["seconds"]) for a in attempts), 1)  # type: ignore[arg-type]
