@@ -503,6 +503,13 @@ def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = F
     return rec.get("plugin_commit") != commit
 
 
+def failed_run(rec: dict[str, Any], *, rotating: bool) -> bool:
+    """Whether a release's run fails the program: ``fail`` always; ``unverified`` (the venv
+    or the server did not come up) when rotating, since CI's rotation picks only releases
+    with a passing record, so an ``unverified`` run there proved nothing it was meant to."""
+    return rec.get("status") == "fail" or (rotating and rec.get("status") != "pass")
+
+
 def ordered(releases: list[str]) -> list[str]:
     first = [v for v in PRIORITY if v in releases]
     return first + [v for v in releases if v not in first]
@@ -588,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                 drift_requests=args.drift_requests,
             )
             _log(f"{version}: {rec['status']} {'; '.join(rec.get('reasons', []))}")
-            if rec["status"] == "fail":
+            if failed_run(rec, rotating=bool(args.rotate)):
                 failures += 1
             print(json.dumps({k: rec.get(k) for k in ("vllm", "status", "reasons")}), flush=True)
             if not args.no_record:
