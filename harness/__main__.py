@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "pooling-memory": "harness.pooling_memory",
     "topologies": "harness.topologies.cli",
     "skip-check": "harness.skips",
+    "mutation": "harness.mutation",
 }
 
 
