@@ -41,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "topologies": "harness.topologies.cli",
     "skip-check": "harness.skips",
     "mutation": "harness.mutation",
+    "evidence": "harness.evidence",
 }
 
 

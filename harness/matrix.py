@@ -510,6 +510,13 @@ def failed_run(rec: dict[str, Any], *, rotating: bool) -> bool:
     return rec.get("status") == "fail" or (rotating and rec.get("status") != "pass")
 
 
+def oldest_first(releases: list[str], data: dict[str, Any]) -> list[str]:
+    """Releases without a record first, then the oldest records (a run cut short by its
+    budget refreshes the stalest evidence; harness/evidence.py bounds its age)."""
+    rows = data.get("releases", {})
+    return sorted(releases, key=lambda v: (v in rows, str(rows.get(v, {}).get("date") or "")))
+
+
 def ordered(releases: list[str]) -> list[str]:
     first = [v for v in PRIORITY if v in releases]
     return first + [v for v in releases if v not in first]
@@ -562,11 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.rotate:
         todo = rotating(args.rotate, commit, data)
     else:
-        todo = [
-            v
-            for v in ordered(list(args.releases or RELEASES))
-            if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
-        ]
+        todo = oldest_first(
+            [
+                v
+                for v in ordered(list(args.releases or RELEASES))
+                if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
+            ],
+            data,
+        )
     if args.dry_run:
         print(" ".join(todo))
         return 0

@@ -60,14 +60,14 @@ LAYOUTS_ONLY = (
 TARGETS: tuple[Target, ...] = (
     Target(
         "vllm_mmcache_fix/lru_eviction/cache.py",
-        (
-            "tests/unit/test_catalogue.py",
-            "tests/unit/test_plugin_version.py",
+        (  # quickest killers first: -x stops at the first failure
+            "tests/realsrc/test_plugin.py",
             "tests/realsrc/test_fix_on_releases.py",
             "tests/realsrc/test_races.py",
             "tests/realsrc/test_repair_count.py",
-            "tests/realsrc/test_plugin.py",
             "tests/realsrc/test_cache_model.py",
+            "tests/unit/test_catalogue.py",
+            "tests/unit/test_plugin_version.py",
         ),
         LAYOUTS_ONLY,
     ),
@@ -155,7 +155,18 @@ def session_file(work: Path, target: Target) -> Path:
     return work / (target.path.replace("/", "__") + ".sqlite")
 
 
-def run(target: Target, work: Path, src: Path, tool: Path) -> None:
+def restore(commit: str, src: Path, path: str) -> None:
+    """The file as committed (a run stopped mid-mutant leaves the mutant on disk)."""
+    data = subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, capture_output=True, check=True
+    ).stdout
+    if (src / path).read_bytes() != data:
+        _log(f"{path}: a mutant was left on disk by a stopped run; restored")
+        (src / path).write_bytes(data)
+
+
+def run(target: Target, work: Path, src: Path, tool: Path, commit: str) -> None:
+    restore(commit, src, target.path)
     cfg = work / (target.path.replace("/", "__") + ".toml")
     cfg.write_text(config(target, tool / "bin" / "python"))
     session = session_file(work, target)
@@ -164,7 +175,10 @@ def run(target: Target, work: Path, src: Path, tool: Path) -> None:
     if not session.exists():
         subprocess.run([cr, "init", str(cfg), str(session)], cwd=src, env=env, check=True)
     _log(f"{target.path}: mutants left are run now (session {session})")
-    subprocess.run(["nice", "-n", "10", cr, "exec", str(cfg), str(session)], cwd=src, env=env)
+    try:
+        subprocess.run(["nice", "-n", "10", cr, "exec", str(cfg), str(session)], cwd=src, env=env)
+    finally:
+        restore(commit, src, target.path)
 
 
 def dump(session: Path, tool: Path) -> list[list[Any]]:
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summary:
         src = copy_tree(commit, work)
         for target in targets:
-            run(target, work, src, tool)
+            run(target, work, src, tool, commit)
     data = load_results(args.results)
     for target in targets:
         session = session_file(work, target)
