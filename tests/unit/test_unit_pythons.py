@@ -46,3 +46,14 @@ def test_the_subset_leaves_out_the_other_releases_only() -> None:
     # No kept release's id contains a left-out one (-k matches substrings).
     for kept in pythons.LAYOUT_RELEASES:
         assert not any(other in f"[{kept}-" for other in left_out), kept
+
+
+def test_python_3_9_runs_the_releases_that_run_there() -> None:
+    files, releases = pythons.realsrc_subset("3.9")
+    assert releases == pythons.OLD_PYTHON_RELEASES
+    assert all(_key(v) <= (0, 11, 0) for v in releases)
+    # Each layout those releases have: the static factory, the sender cache, 0.11.0.
+    for row in ("0.10.0", "0.10.1.1-0.30", "0.10.2-0.30", "0.10.0-0.11.0"):
+        assert any(_in(v, row) for v in releases), row
+    assert set(files) <= set(pythons.REALSRC_FILES)
+    assert pythons.realsrc_subset("3.13") == (pythons.REALSRC_FILES, pythons.LAYOUT_RELEASES)
