@@ -184,6 +184,10 @@ def run_unit(
     start = time.monotonic()
     files, releases = realsrc_subset(version)
     paths = [*files, "-k", realsrc_deselect(releases)] if realsrc else ["tests/unit"]
+    if realsrc and "-k" in pytest_args[:-1]:  # both selections: the releases' and the caller's
+        at = pytest_args.index("-k")
+        paths[-1] = f"({paths[-1]}) and ({pytest_args[at + 1]})"
+        pytest_args = pytest_args[:at] + pytest_args[at + 2 :]
     env = dict(os.environ)
     if outcomes is not None:
         env["MMCACHE_FIX_OUTCOMES"] = str(outcomes)
