@@ -13,7 +13,9 @@ the tests that run the fix in child interpreters (the realsrc tier) see every mu
 Resumable: each mutant's result goes into the session database
 (``<cache>/mutation/<commit>/<file>.sqlite``) as it comes, and a rerun on the same commit
 does only what is left. Runs at ``nice -n 10``. A mutant is killed when the file's tests
-fail (or time out); the score is killed / (all - equivalent). ``compat/mutation.json``
+fail (or time out); the score is killed / (killed + survived - equivalent). Mutants
+inside type annotations are equivalent by construction (every core module has
+``from __future__ import annotations``): they are marked so and never run. ``compat/mutation.json``
 holds, per file, the commit the session ran on, the counts, the score and every survivor;
 ``equivalent`` in that file lists the survivors judged equivalent, each with why (kept
 across reruns by the survivor's operator, line and occurrence).
@@ -165,6 +167,41 @@ def restore(commit: str, src: Path, path: str) -> None:
         (src / path).write_bytes(data)
 
 
+ANNOTATION = (
+    "a type annotation: never evaluated (the module has from __future__ import annotations)"
+)
+
+FILTER = """
+import ast, sys
+from cosmic_ray.work_db import WorkDB, use_db
+from cosmic_ray.work_item import WorkResult, WorkerOutcome
+
+session, path, why = sys.argv[1:4]
+tree = ast.parse(open(path).read())
+assert any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+           and any(a.name == "annotations" for a in n.names) for n in tree.body), path
+spans = []
+for node in ast.walk(tree):
+    found = []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        found += [node.returns] + [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs]
+        found += [x.annotation for x in (a.vararg, a.kwarg) if x is not None]
+    elif isinstance(node, ast.AnnAssign):
+        found.append(node.annotation)
+    spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in found if n]
+marked = 0
+with use_db(session, WorkDB.Mode.open) as db:
+    for item in list(db.pending_work_items):
+        pos = tuple(item.mutations[0].start_pos)
+        if any(a <= pos < b for a, b in spans):
+            db.set_result(item.job_id, WorkResult(WorkerOutcome.SKIPPED, output=why))
+            marked += 1
+print(marked)
+"""
+"""Marks the mutants inside annotations as done, equivalent, before any runs."""
+
+
 def run(target: Target, work: Path, src: Path, tool: Path, commit: str) -> None:
     restore(commit, src, target.path)
     cfg = work / (target.path.replace("/", "__") + ".toml")
@@ -174,6 +211,14 @@ def run(target: Target, work: Path, src: Path, tool: Path, commit: str) -> None:
     cr = str(tool / "bin" / "cosmic-ray")
     if not session.exists():
         subprocess.run([cr, "init", str(cfg), str(session)], cwd=src, env=env, check=True)
+    skipped = subprocess.run(
+        [str(tool / "bin" / "python"), "-c", FILTER, str(session), target.path, ANNOTATION],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    _log(f"{target.path}: {skipped} more mutants inside annotations marked equivalent")
     _log(f"{target.path}: mutants left are run now (session {session})")
     try:
         subprocess.run(["nice", "-n", "10", cr, "exec", str(cfg), str(session)], cwd=src, env=env)
@@ -203,7 +248,7 @@ def summarize(
     path: str, commit: str, rows: list[list[Any]], equivalent: dict[str, str]
 ) -> dict[str, Any]:
     """Counts, score and survivors of one file's session (done items only)."""
-    counts = {"killed": 0, "survived": 0, "incompetent": 0, "pending": 0}
+    counts = {"killed": 0, "survived": 0, "incompetent": 0, "annotation": 0, "pending": 0}
     survivors = []
     for work_item, result in rows:
         (mutation,) = work_item["mutations"]
@@ -211,7 +256,9 @@ def summarize(
             counts["pending"] += 1
             continue
         outcome = result.get("test_outcome")
-        if outcome == "incompetent":
+        if result.get("worker_outcome") == "skipped" and result.get("output") == ANNOTATION:
+            counts["annotation"] += 1  # equivalent by construction, never run
+        elif outcome == "incompetent":
             counts["incompetent"] += 1  # the mutant could not be run (e.g. not importable)
         elif outcome == "killed":
             counts["killed"] += 1
