@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             got = data["files"][target.path]
             _log(
                 f"{target.path}: {got['killed']} killed, {got['survived']} survived "
-                f"({got['equivalent']} equivalent), {got['pending']} pending: score {got['score']}"
+                f"({got['equivalent']} equivalent), {got['annotation']} in annotations, "
+                f"{got['pending']} pending: score {got['score']}"
             )
     args.results.write_text(json.dumps(data, indent=1) + "\n")
     shutil.rmtree(work / "tmp", ignore_errors=True)
