@@ -15,13 +15,15 @@ import sys
 import pytest
 
 OUTCOMES_ENV = "MMCACHE_FIX_OUTCOMES"
+_PATH = os.environ.pop(OUTCOMES_ENV, "")
+"""Taken out of the environment: a pytest a test starts in a child must not write there."""
 _outcomes: dict[str, dict[str, object]] = {}
 _collect_skips: list[dict[str, object]] = []
 _markers: dict[str, list[str]] = {}
 
 
 def _recording() -> bool:
-    return bool(os.environ.get(OUTCOMES_ENV))
+    return bool(_PATH)
 
 
 def _marker_names(item: pytest.Item) -> list[str]:
@@ -72,7 +74,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    path = os.environ.get(OUTCOMES_ENV)
+    path = _PATH
     if not path:
         return
     doc = {
