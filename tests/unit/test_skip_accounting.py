@@ -68,14 +68,21 @@ def _run(tmp_path: Path, *args: str, selected: str = "0.23.0") -> dict:  # type:
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:  # type: ignore[type-arg]
+    """One run (``-m "not realtime"``, the release list left empty) and its tier's folder."""
+    root = tmp_path_factory.mktemp("run")
+    return root / "tests", _run(root, "tests", "-m", "not realtime", selected="0.32.0")
+
+
 def _outcomes(doc: dict) -> dict[str, str]:  # type: ignore[type-arg]
     found = {i["node"].split("::")[-1]: i["outcome"] for i in doc["items"]}
     found.update({s["node"]: "skipped (module)" for s in doc["collect_skips"]})
     return found
 
 
-def test_every_kind_of_not_running_is_recorded(tmp_path: Path) -> None:
-    doc = _run(tmp_path, "tests", "-m", "not realtime", selected="0.32.0")
+def test_every_kind_of_not_running_is_recorded(chosen: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    _, doc = chosen
     assert _outcomes(doc) == {
         "test_runs": "passed",
         "test_per_release[NOTSET]": "skipped",  # "got empty parameter set"
@@ -121,9 +128,11 @@ why = "x"
 """
 
 
-def test_an_unexpected_skip_or_deselection_fails_the_tier(tmp_path: Path) -> None:
-    doc = _run(tmp_path / "run", "tests", "-m", "not realtime", selected="0.32.0")
-    root = tmp_path / "run" / "tests"
+def test_an_unexpected_skip_or_deselection_fails_the_tier(
+    tmp_path: Path,
+    chosen: tuple[Path, dict],  # type: ignore[type-arg]
+) -> None:
+    root, doc = chosen
     verdict = skips.check(doc, ["unit"], "main", _expected(tmp_path, ALLOW_SOAK), root)
     assert not verdict.ok
     problems = "\n".join(verdict.lines)
@@ -149,9 +158,12 @@ def test_a_tier_that_ran_nothing_fails(tmp_path: Path) -> None:
     assert any("not a single test ran" in line for line in verdict.lines)
 
 
-def test_the_checker_program_fails_and_partial_runs_only_report(tmp_path: Path) -> None:
+def test_the_checker_program_fails_and_partial_runs_only_report(
+    tmp_path: Path,
+    chosen: tuple[Path, dict],  # type: ignore[type-arg]
+) -> None:
     pytest.importorskip("tomllib")
-    doc = _run(tmp_path / "run", "tests", selected="0.32.0")
+    _, doc = chosen
     path = tmp_path / "outcomes.json"
     path.write_text(json.dumps(doc))
     expected = tmp_path / "e.toml"
