@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     for version in [*opts.versions, *[v for v in opts.optional if v not in opts.versions]]:
         optional = version not in opts.versions
-        print(f"\n-- unit tier on Python {version}{' (optional)' if optional else ''}", flush=True)
+        what = "realsrc subset" if opts.realsrc else "unit tier"
+        print(f"\n-- {what} on Python {version}{' (optional)' if optional else ''}", flush=True)
         outcomes = None
         if opts.skip_check:
             fd, name = tempfile.mkstemp(prefix=f"outcomes-py{version}-", suffix=".json")
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((version, state, f"{last} ({seconds:.0f} s)" if seconds else last))
         if rc != 0 and not optional:
             failed.append(version)
-    print("\nunit tier per Python:")
+    print(f"\n{'realsrc subset' if opts.realsrc else 'unit tier'} per Python:")
     for version, state, detail in rows:
         print(f"  {version:<6} {state:<18} {detail}")
     return 1 if failed else 0
