@@ -63,6 +63,7 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "vllm_mmcache_fix/lru_eviction/cache.py",
         (  # quickest killers first: -x stops at the first failure
+            "tests/realsrc/test_upgrade_in_place.py",
             "tests/realsrc/test_plugin.py",
             "tests/realsrc/test_fix_on_releases.py",
             "tests/realsrc/test_races.py",

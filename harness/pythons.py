@@ -45,6 +45,7 @@ REALSRC_FILES = (
     "tests/realsrc/test_plugin.py",
     "tests/realsrc/test_fail_open.py",
     "tests/realsrc/test_vllm_layout_on_releases.py",
+    "tests/realsrc/test_upgrade_in_place.py",
 )
 """``--realsrc``: the eviction fix on the releases' own ``LRUCache`` (fixed and unfixed,
 under contention), the plugin patching released modules, the drift guard failing open,
@@ -67,6 +68,7 @@ newer release can run on 3.9, with the plugin or without."""
 OLD_PYTHON_FILES = (
     "tests/realsrc/test_fix_on_releases.py",
     "tests/realsrc/test_vllm_layout_on_releases.py",
+    "tests/realsrc/test_upgrade_in_place.py",
 )
 """The subset files whose cases are all per release (the others pin 0.23.0 or newer)."""
 
