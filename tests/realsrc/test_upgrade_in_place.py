@@ -1,5 +1,6 @@
-"""``upgrade``/``downgrade``: an existing instance of a release's own ``LRUCache`` turned into
-the fixed class in place (what ``check`` does to prove the fix) and back.
+"""``check_compatible``, ``is_fixed``, ``upgrade``/``downgrade`` on each layout's own
+``LRUCache``: an existing instance turned into the fixed class in place (what ``check``
+does to prove the fix) and back; a release that lost a method the fix needs is refused.
 
 Each release runs in a child interpreter with a deadline: a cache that was not upgraded
 loops forever on the ghost key.
@@ -16,10 +17,14 @@ from harness import realsrc
 CODE = """
 import json, sys, threading
 from harness import realsrc
-from vllm_mmcache_fix.lru_eviction.cache import downgrade, is_fixed, upgrade
+from vllm_mmcache_fix.lru_eviction.cache import check_compatible, downgrade, is_fixed, upgrade
 
 LRU = realsrc.load_lru_module(sys.argv[1]).LRUCache
 cache = LRU(4, getsizeof=lambda v: 1)
+compatible = check_compatible(cache)
+refused = {}
+for name in ("popitem", "pop", "touch", "clear"):  # a release that lost one of them
+    refused[name] = check_compatible(type("Changed", (LRU,), {name: None})(4))
 for i in range(4):
     cache[f"k{i}"] = i
 same = upgrade(cache) is cache
@@ -30,6 +35,9 @@ cache._LRUCache__order.move_to_end("ghost", last=False)
 for i in range(4, 12):
     cache[f"k{i}"] = i  # evicts past the ghost
 out = {
+    "compatible": compatible,
+    "refused": refused,
+    "class_fixed": is_fixed(fixed_type) and not is_fixed(LRU),
     "same": same,
     "fixed": is_fixed(cache),
     "idempotent": type(cache) is fixed_type,
@@ -50,6 +58,9 @@ def test_an_instance_is_upgraded_in_place_and_back(version: str) -> None:
     line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT ") :])
     assert out == {
+        "compatible": None,
+        "refused": {n: f"Changed has no {n}()" for n in ("popitem", "pop", "touch", "clear")},
+        "class_fixed": True,
         "same": True,
         "fixed": True,
         "idempotent": True,
