@@ -42,6 +42,9 @@ COMMANDS: dict[str, str] = {
     "e2e-versions": "harness.venvs:print_e2e_versions",
     "pooling-memory": "harness.pooling_memory",
     "topologies": "harness.topologies.cli",
+    "skip-check": "harness.skips",
+    "mutation": "harness.mutation",
+    "evidence": "harness.evidence",
 }
 
 

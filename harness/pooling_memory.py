@@ -18,6 +18,7 @@ that file for the same plugin commit and request count::
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import subprocess
@@ -174,7 +175,9 @@ def save(path: Path | None, data: dict[str, Any]) -> None:
 
 
 def record(run: PoolingRun, commit: str) -> dict[str, Any]:
-    return asdict(run) | {"all_ok": run.all_ok, "commit": commit}
+    """The run's figures, the plugin commit it ran and when (UTC; harness/evidence.py)."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return asdict(run) | {"all_ok": run.all_ok, "commit": commit, "date": now}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,8 +278,24 @@ def extract_definitions(path: Path, roots: Iterable[str]) -> str:
     return "\n".join(line if k else "" for line, k in zip(lines, keep)) + "\n"
 
 
+def _stdlib_modules() -> frozenset[str]:
+    """The standard library's top-level modules (``sys.stdlib_module_names`` from Python
+    3.10; under 3.9 read from the standard library's folder)."""
+    names = getattr(sys, "stdlib_module_names", None)
+    if names is not None:
+        return frozenset(names)
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    found = {p.stem if p.suffix == ".py" else p.name for p in stdlib.iterdir()}
+    dynload = stdlib / "lib-dynload"
+    if dynload.is_dir():
+        found |= {p.name.split(".")[0] for p in dynload.iterdir()}
+    return frozenset(found | set(sys.builtin_module_names))
+
+
 def _check_standalone_imports(path: Path, tree: ast.Module) -> None:
-    allowed = set(sys.stdlib_module_names) | _ALLOWED_THIRD_PARTY
+    allowed = _stdlib_modules() | _ALLOWED_THIRD_PARTY
     foreign = sorted(m for m in imported_top_level_modules(tree) if m not in allowed)
     if foreign:
         raise ImportError(f"{path} imports {foreign}; it cannot be loaded standalone")

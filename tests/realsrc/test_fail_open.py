@@ -1,5 +1,8 @@
 """Fail-open: an exception inside the plugin's own bookkeeping never fails a request.
 
+The eviction fix's sites on vLLM's own factory and released ``LRUCache`` (end of file);
+the drift guard's below.
+
 Each guarded site of the drift guard is made to fail in turn (the same switch,
 ``MMCACHE_FIX_FAIL_AT``, that the real-server test uses), and so is each
 piece of its algorithm, half-way through its work. The simulated server runs
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from harness import drift_sim
+from harness.layouts import run_snippet, write_layout
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR
@@ -194,3 +198,51 @@ def test_without_a_fault_the_guard_is_better_than_vllm(modules) -> None:
     assert any(s >= 500 for s in baseline)
     assert not any(s >= 500 for s in got)
     assert drift.status()["internal_errors"] == {}
+
+
+# --------------------------------------------------------------------------- eviction fix
+# Its two guarded sites, each made to fail (MMCACHE_FIX_FAIL_AT) in a fresh interpreter,
+# on vLLM's own factory and the real released LRUCache of each factory layout: the cache
+# the factory builds must serve every request as it does without the fault, the ghost must
+# not hang it, and the site's internal-error counter must rise (0 without the fault).
+
+LRU_LAYOUTS = {
+    "package": ("0.33.0", "vllm.multimodal.cache.base"),
+    "module": ("0.23.0", "vllm.multimodal.cache"),
+}
+LRU_SITES = ("lru.cache_built", "lru.repair_log")
+
+REQUESTS = """
+import {module} as m
+import vllm_mmcache_fix
+from vllm_mmcache_fix import plugin
+vllm_mmcache_fix.register()
+cache = m.MultiModalCache.get_lru_cache(1024 / (1 << 30), bytes)
+served = 0
+for i in range(30):  # requests: store an item, read it back, evict the oldest as it fills
+    cache[f"item-{{i}}"] = b"x" * 100
+    served += cache.get(f"item-{{i}}") == b"x" * 100
+progress = ghost_sequence(cache)  # a ghost key at the eviction end, then more inserts
+report(served=served, progress=progress, size=cache.currsize,
+       errors=plugin.LRU_EVICTION.status()["internal_errors"],
+       total=vllm_mmcache_fix.status()["internal_errors"])
+"""
+
+
+@pytest.mark.parametrize("site", LRU_SITES)
+@pytest.mark.parametrize("layout", sorted(LRU_LAYOUTS))
+def test_the_eviction_fix_fails_open_at_each_site(
+    tmp_path, lru_source, layout: str, site: str
+) -> None:  # type: ignore[no-untyped-def]
+    version, module = LRU_LAYOUTS[layout]
+    root = write_layout(tmp_path, layout, lru_source(version), version=version)
+    code = REQUESTS.format(module=module)
+    clean = run_snippet(root, code, timeout=120)
+    faulty = run_snippet(root, code, env={"MMCACHE_FIX_FAIL_AT": site}, timeout=120)
+    assert clean["errors"] == {} and clean["total"] == 0, clean
+    assert faulty["served"] == clean["served"] == 30, faulty
+    assert faulty["progress"] is True, faulty  # no hang on the ghost
+    assert faulty["size"] <= 1024, faulty
+    assert faulty["errors"].get(site, 0) >= 1 and faulty["total"] >= 1, faulty
+    assert set(faulty["errors"]) == {site}, faulty
+    assert any(INTERNAL_ERROR in line for _, _, line in faulty["logs"]), faulty["logs"]

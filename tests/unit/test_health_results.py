@@ -111,7 +111,7 @@ def test_the_checks_catch_a_run_that_misses_a_bar() -> None:
 
 def _child(queue: Any) -> None:
     queue.put(os.getpid())
-    time.sleep(3)
+    time.sleep(120)  # read while alive, however slow the machine; terminated after
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

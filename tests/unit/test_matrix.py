@@ -137,3 +137,36 @@ def test_a_family_model_failing_with_the_plugin_fails_the_release() -> None:
     phase["summary"] = matrix._with_plugin_summary(phase)
     status, reasons = matrix.evaluate({"with_plugin": phase})
     assert status == "fail" and any("qwen3-vl" in r for r in reasons)
+
+def _program_exit(monkeypatch, tmp_path, status: str, rotate: bool) -> int:  # type: ignore[no-untyped-def]
+    """``scripts/matrix`` run to its exit status, with the release's run replaced by a
+    record of ``status`` (the program's own bookkeeping around it is what is tested)."""
+    from harness import venvs
+
+    passing = [v for v in matrix.RELEASES if v not in matrix.SHARED_VENVS]
+    data = {"schema": matrix.SCHEMA, "releases": {v: {"status": "pass"} for v in passing}}
+    path = tmp_path / "matrix.json"
+    matrix.save(data, path)
+    ran: list[str] = []
+
+    def run_release(version: str, **_: object) -> dict[str, object]:
+        ran.append(version)
+        return {"vllm": version, "status": status, "reasons": [] if status == "pass" else ["x"]}
+
+    monkeypatch.setattr(matrix, "run_release", run_release)
+    monkeypatch.setattr(venvs, "build_wheel", lambda out: out / "w.whl")
+    args = ["--no-record", "--file", str(path), "--model", str(tmp_path)]
+    args += ["--rotate", "1"] if rotate else ["--only", passing[0]]
+    rc = matrix.main(args)
+    assert len(ran) == 1
+    return rc
+
+
+def test_the_rotation_fails_on_an_unverified_release(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # CI's rotation takes releases with a passing record only: a venv or a server that
+    # does not come up there proves nothing, and must not pass as success.
+    assert _program_exit(monkeypatch, tmp_path, "unverified", rotate=True) == 1
+    assert _program_exit(monkeypatch, tmp_path, "fail", rotate=True) == 1
+    assert _program_exit(monkeypatch, tmp_path, "pass", rotate=True) == 0
+    # The full matrix records an unverified release and goes on (it is a row, not a failure).
+    assert _program_exit(monkeypatch, tmp_path, "unverified", rotate=False) == 0

@@ -51,3 +51,33 @@ def test_e2e_tests_run_grouped_by_shared_server(monkeypatch: pytest.MonkeyPatch)
     keys = [shared_servers.server_order(i) for i in ordered]
     assert keys == [(0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 2)]
     assert ordered[0] is items[5] and ordered[1] is items[7]  # file order kept within a group
+
+
+@pytest.mark.parametrize("value", ["sequentail", "all concurrent", "soak", "sequential,typo"])
+def test_a_misspelt_case_name_fails_loudly(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    # Quietly selecting nothing would skip both soaks with a green run.
+    monkeypatch.setenv("SOME_TURN", value)
+    with pytest.raises(rotation.UnknownCase, match="SOME_TURN=.*unknown.*sequential, concurrent"):
+        rotation.this_turn(rotation.SOAKS, "SOME_TURN")
+
+
+@pytest.mark.parametrize("value", ["0.23", "0.23.0 0.32", "v0.32.0", "0.32.o", " , "])
+def test_a_misspelt_release_under_test_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    from harness import venvs
+
+    monkeypatch.setenv(venvs.VERSIONS_ENV, value)
+    with pytest.raises(ValueError, match="MMCACHE_FIX_E2E_VERSIONS"):
+        venvs.e2e_versions()
+    assert venvs.print_e2e_versions([]) == 2
+    assert "MMCACHE_FIX_E2E_VERSIONS" in capsys.readouterr().err
+
+
+def test_releases_under_test_read_spaces_and_commas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness import venvs
+
+    monkeypatch.setenv(venvs.VERSIONS_ENV, "0.23.0, 0.10.1.1,0.8.5.post1")
+    assert venvs.e2e_versions() == ["0.23.0", "0.10.1.1", "0.8.5.post1"]
+    monkeypatch.delenv(venvs.VERSIONS_ENV)
+    assert venvs.e2e_versions() == list(venvs.DEFAULT_VERSIONS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -80,7 +81,12 @@ def test_second_taker_waits_until_the_first_releases(lock_file: Path) -> None:
         info = json.loads(lock_file.read_text())
         assert info["pid"] == holder.pid
         taker = _python(TAKER, "60")
-        time.sleep(1.5)
+        # The taker says it waits (a condition, bounded), and has not taken the lock.
+        assert taker.stderr is not None
+        ready, _, _ = select.select([taker.stderr], [], [], 30)
+        assert ready, "the second taker said nothing within 30 s"
+        said = taker.stderr.readline()
+        assert "waiting for" in said, said
         assert taker.poll() is None, "the second taker did not wait"
         released_at = time.time()
         assert holder.stdin is not None
@@ -92,9 +98,9 @@ def test_second_taker_waits_until_the_first_releases(lock_file: Path) -> None:
         word, when = out.split()
         assert word == "acquired" and float(when) >= released_at - 0.5
         waiting = [line for line in err.splitlines() if "waiting for" in line]
-        assert len(waiting) == 1, err  # said once, not once per poll
-        assert f"pid {holder.pid}" in waiting[0] and str(lock_file) in waiting[0]
-        assert "harness.lock" in waiting[0] or "-c" in waiting[0]  # the holder's command
+        assert not waiting, err  # said once (read above), not once per poll
+        assert f"pid {holder.pid}" in said and str(lock_file) in said
+        assert "harness.lock" in said or "-c" in said  # the holder's command
     finally:
         for proc in (holder, taker):
             if proc is not None and proc.poll() is None:
