@@ -1,5 +1,6 @@
 """The committed evidence says its age: every record names its plugin commit, the newest
-record of each release is at most ``MAX_AGE`` commits of the code it proves behind, and
+record of each release is at most ``MAX_AGE_DAYS`` older than the last change to the code
+it proves, and
 docs/evidence.md shows each release's newest date and commit."""
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ def test_no_release_s_newest_record_is_older_than_the_bound() -> None:
 def test_the_bound_catches_an_old_record() -> None:
     first = evidence._git("rev-list", "--max-parents=0", "HEAD").split()[0]
     old = evidence.Record("matrix.json", "0.23.0", "0.23.0", first, None)
-    behind = evidence.age(first, evidence.PROVES["matrix.json"])
+    assert evidence.age(first, evidence.PROVES["matrix.json"]) > 0
+    behind = evidence.days_behind(old)
     assert behind > 0
     assert evidence.stale([old], bound=behind) == []
-    (problem,) = evidence.stale([old], bound=behind - 1)
+    (problem,) = evidence.stale([old], bound=behind - 0.01)
     assert problem.startswith("matrix.json 0.23.0: newest record ran") and "at most" in problem
+    # The record's own date counts when it has one: a run long after its commit is fresh.
+    changed = evidence.last_change(first, evidence.PROVES["matrix.json"])
+    assert changed is not None
+    later = evidence.Record(
+        "matrix.json", "0.23.0", "0.23.0", first, changed.strftime("%Y-%m-%d %H:%M")
+    )
+    assert evidence.days_behind(later) < 1 / 1440
     # A newer record of the same release is what counts.
     head = evidence._git("rev-parse", "HEAD")
     assert evidence.stale([old, evidence.Record("matrix.json", "x", "0.23.0", head, None)]) == []
