@@ -135,6 +135,26 @@ def read_health_timeout(environ: Mapping[str, str] | None = None) -> FloatSettin
     )
 
 
+ENV_STEP_TIMEOUT = "MMCACHE_FIX_STEP_TIMEOUT"
+VLLM_STEP_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+"""vLLM's own bound on one step (its default: :data:`DEFAULT_STEP_TIMEOUT`)."""
+DEFAULT_STEP_TIMEOUT = 300.0
+
+
+def read_step_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """How long one EngineCore step may run before ``/health`` calls the busy loop stuck:
+    ``MMCACHE_FIX_STEP_TIMEOUT`` when set, else vLLM's own bound (its
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 s by default). Never below the health
+    timeout (the heartbeat takes the larger)."""
+    env = os.environ if environ is None else environ
+    vllm_own = read_float(VLLM_STEP_TIMEOUT, DEFAULT_STEP_TIMEOUT, env, MIN_HEALTH_TIMEOUT)
+    default = vllm_own.value
+    setting = read_float(ENV_STEP_TIMEOUT, default, env, MIN_HEALTH_TIMEOUT)
+    if env.get(ENV_STEP_TIMEOUT, "").strip() == "" and vllm_own.problem:
+        return FloatSetting(default, vllm_own.problem)
+    return setting
+
+
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 10.0
 
@@ -237,6 +257,14 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "seconds >= 0",
         "/health fails when an EngineCore has not answered for this long; 0: off",
         _float_reader(read_health_timeout),
+    ),
+    SettingSpec(
+        ENV_STEP_TIMEOUT,
+        f"{DEFAULT_STEP_TIMEOUT:g}",
+        f"seconds >= {MIN_HEALTH_TIMEOUT:g}",
+        f"/health fails when one EngineCore step has run this long (default: {VLLM_STEP_TIMEOUT} "
+        f"or {DEFAULT_STEP_TIMEOUT:g})",
+        _float_reader(read_step_timeout),
     ),
     SettingSpec(
         ENV_STALL_SECONDS,

@@ -20,7 +20,13 @@ from ..core import log, registry, signals
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import LIVENESS_ACTIVE
 from ..core.process import process_label
-from ..core.settings import ENV_HEALTH_TIMEOUT, Mode, read_health_timeout, read_mode
+from ..core.settings import (
+    ENV_HEALTH_TIMEOUT,
+    Mode,
+    read_health_timeout,
+    read_mode,
+    read_step_timeout,
+)
 from ..vllm_layout import (
     ASYNC_CLIENT_CLASS,
     CLIENT_CALL_UTILITY,
@@ -44,6 +50,7 @@ class EngineHealth(Fix):
     def __init__(self) -> None:
         super().__init__()
         self.timeout: float | None = None
+        self.step_timeout: float | None = None
         self.liveness: Liveness | None = None
         self.targets: list[str] = []
         self.switched_off: str | None = None
@@ -63,8 +70,13 @@ class EngineHealth(Fix):
         self.timeout = setting.value
         if setting.value == 0:
             raise DidNotEnable(f"disabled by {ENV_HEALTH_TIMEOUT}=0")
+        step = read_step_timeout()
+        if step.problem and self.note_problem(step.problem):
+            log.warning("%s", step.problem)
+        self.step_timeout = max(step.value, setting.value)
         self.liveness = Liveness(
             setting.value,
+            step_timeout=self.step_timeout,
             on_answer=signals.ENGINE_ANSWERED.send,
             guard=self._beat_site,
             enabled=lambda: self.switched_off is None,
@@ -82,6 +94,7 @@ class EngineHealth(Fix):
     def _status(self) -> dict[str, Any]:
         return {
             "timeout_s": self.timeout,
+            "step_timeout_s": self.step_timeout,
             "ping_interval_s": PING_INTERVAL_S,
             "targets": list(self.targets),
             "switched_off": self.switched_off,
@@ -152,13 +165,14 @@ class EngineHealth(Fix):
                 log.info(
                     "%s %s: a heartbeat pings every EngineCore every %g s; /health answers "
                     "from its state and fails (503) only when an EngineCore's input thread "
-                    "leaves pings unanswered, or its busy loop stays inside one step, for %g s "
-                    "(%s)",
+                    "leaves pings unanswered for %g s (%s), or its busy loop stays inside one "
+                    "step for %g s",
                     LIVENESS_ACTIVE,
                     process_label(),
                     PING_INTERVAL_S,
                     self.timeout,
                     ENV_HEALTH_TIMEOUT,
+                    self.step_timeout,
                 )
         signals.API_SERVER_SERVING.send()
 

@@ -5,18 +5,28 @@ One asyncio task per engine client, in the client's own event loop, wakes every
 answers, :mod:`.answer`) every :data:`PING_INTERVAL_S`. ``/health`` never waits on EngineCore:
 it reads the verdict the heartbeat keeps. An engine is judged stuck only on evidence:
 
-- **silent**: two pings unanswered, the older one for longer than the timeout (the second is
-  sent when the first is half the timeout old: one lost answer is never taken for a dead
-  thread). EngineCore's input thread answers in milliseconds whatever the busy loop does, so
-  silence means that thread is dead or spinning (the 0.23.0 incident; 0.11-0.13's
-  ``Expected a cached item`` assertion ending it). At most two pings per engine are in flight.
-  This verdict is taken only at a tick that came on time: after the event loop itself was
-  blocked (a long call in the request path), answers that wait in the socket are read first.
-- **loop stuck**: an answer says the busy loop has been inside one step (or one add/abort)
-  for longer than the timeout. A utility call is healthy however long it runs.
+- **silent**: two pings waiting, the older one for longer than the timeout. While a ping
+  waits, another is sent every half timeout, so one lost answer (vLLM's ROUTER drops replies
+  while a remote engine reconnects) is never taken for a dead thread, and the first answer
+  that gets through settles every older ping and clears the verdict. EngineCore's input
+  thread answers in milliseconds whatever the busy loop does, so silence means that thread is
+  dead or spinning (the 0.23.0 incident; 0.11-0.13's ``Expected a cached item`` assertion
+  ending it). This verdict is taken only at a tick that came on time: after the event loop
+  itself was blocked (a long call in the request path), answers that wait in the socket are
+  read first.
+- **loop stuck**: an answer says the busy loop has been inside one add/abort for longer than
+  the timeout, or inside one step for longer than the step bound (vLLM's own bound on one
+  step, 300 s, ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, or ``MMCACHE_FIX_STEP_TIMEOUT``): a
+  long healthy step (a 100k-token prefill chunk, a long video through the encoder) is not a
+  stuck engine. A utility call is healthy however long it runs.
 
-An engine that cannot answer (no ping method: vLLM's failure reply; a client without
-``engine=``; answers from the busy loop only) has its check turned off, with one WARNING.
+A verdict fails ``/health`` only when it holds at two consecutive evaluations (ticks for
+silence, answers for the loop); one answer that says otherwise clears it at once.
+
+At most :data:`MAX_IN_FLIGHT` pings per engine wait on vLLM; one unanswered for four timeouts
+expires and frees its place. An engine that cannot answer (no ping method: vLLM's failure
+reply; a client without ``engine=``; answers from the busy loop only, or through the busy
+loop while its input thread was said to answer) has its check turned off, with one WARNING.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from ..vllm_layout import (
     ENGINE_PING_METHOD,
     UTILITY_SHUTDOWN_REPLY,
 )
-from .busy_loop import STUCK_STATES
+from .busy_loop import STEP, STUCK_STATES, VIA_INPUT_THREAD
 
 TICK_S = 1.0
 """How often the heartbeat wakes: sends what is due, takes the silent verdict."""
@@ -56,7 +66,17 @@ PING_INTERVAL_S = 2.0
 """Seconds between two pings to one engine (docs/health.md: the cost and the bound)."""
 MAX_LAG_S = 1.0
 """A tick later than this saw an event loop that was blocked: no silent verdict at it."""
-MAX_PENDING = 2
+MAX_IN_FLIGHT = 8
+"""Pings per engine that may wait on vLLM at once (vLLM keeps one future per unanswered
+call): a silent engine is pinged every half timeout until this many wait."""
+EXPIRE_TIMEOUTS = 4.0
+"""A ping unanswered for this many timeouts expires: it no longer counts toward
+:data:`MAX_IN_FLIGHT` (so lost answers never stop the pings), but stays evidence of silence
+until a later answer settles it."""
+STRIKES = 2
+"""Consecutive evaluations a verdict must hold before ``/health`` fails."""
+DEFAULT_STEP_TIMEOUT = 300.0
+"""vLLM's own bound on one step (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``' default)."""
 
 SILENT = "silent"
 LOOP = "loop"
@@ -107,7 +127,10 @@ class EngineBeat:
     identity: Any
     started_at: float
     pending: list[Ping] = field(default_factory=list)
-    """Unanswered pings, oldest first (at most :data:`MAX_PENDING`)."""
+    """Pings waiting: unanswered and sent after the last answered one, oldest first."""
+    flying: list[Ping] = field(default_factory=list)
+    """Pings whose call to vLLM has not returned and that have not expired (at most
+    :data:`MAX_IN_FLIGHT`)."""
     last_sent: float = -math.inf
     answered_at: float | None = None
     answered_wall: float | None = None
@@ -119,6 +142,10 @@ class EngineBeat:
     stuck: str | None = None
     """Why ``/health`` fails for this engine (None: it does not)."""
     stuck_kind: str | None = None
+    candidate: str | None = None
+    """The verdict's kind seen at the last evaluation, before it fails ``/health``."""
+    strikes: int = 0
+    """Consecutive evaluations that found :attr:`candidate`."""
     off: str | None = None
     """Why this engine's check is off (None: it is on)."""
     answers: int = 0
@@ -133,6 +160,7 @@ class EngineBeat:
             "engine": self.name,
             "answers": self.answers,
             "pending": len(self.pending),
+            "in_flight": len(self.flying),
             "last_answer_age_s": round(self.age(now), 3),
             "answered_at": self.answered_wall,
             "round_trip_s": self.round_trip_s,
@@ -154,8 +182,10 @@ class Heartbeat:
         clock: Clock = time.monotonic,
         guard: Any = None,
         enabled: Callable[[], bool] = lambda: True,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT,
     ) -> None:
         self.timeout = timeout
+        self.step_timeout = max(step_timeout, timeout)
         self.on_answer = on_answer
         self.clock = clock
         self.guard = guard if guard is not None else contextlib.nullcontext()
@@ -227,21 +257,22 @@ class Heartbeat:
         for beat in self.beats:
             if beat.off is not None:
                 continue
-            if not beat.pending:
-                if now - beat.last_sent >= PING_INTERVAL_S:
-                    self.send(client, beat, now)
-            elif len(beat.pending) < MAX_PENDING and now - beat.pending[0].sent_at >= (
-                self.timeout / 2
-            ):
-                self.send(client, beat, now)  # confirm: one lost answer is not a dead thread
+            if beat.pending:
+                due = now - beat.last_sent >= self.timeout / 2  # confirm, or get through
+            else:
+                due = now - beat.last_sent >= PING_INTERVAL_S
+            _expire(beat, now - EXPIRE_TIMEOUTS * self.timeout)
+            if due and len(beat.flying) < MAX_IN_FLIGHT:
+                self.send(client, beat, now)
+            if not responsive:
+                continue  # no evidence either way at a late tick
             oldest = beat.pending[0] if beat.pending else None
             if (
-                responsive
-                and oldest is not None
-                and len(beat.pending) >= MAX_PENDING
+                oldest is not None
+                and len(beat.pending) >= 2
                 and now - oldest.sent_at > self.timeout
             ):
-                self._set_stuck(
+                self._judge(
                     beat,
                     SILENT,
                     f"{beat.name} has not answered for {now - oldest.sent_at:.1f} s "
@@ -250,10 +281,13 @@ class Heartbeat:
                     f"MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}): its input thread reads no "
                     "request (dead, or spinning)",
                 )
+            elif beat.candidate == SILENT:
+                beat.candidate, beat.strikes = None, 0
 
     def send(self, client: Any, beat: EngineBeat, now: float) -> None:
         ping = Ping(now, time.time())
         beat.pending.append(ping)
+        beat.flying.append(ping)
         beat.last_sent = now
         call = getattr(client, CLIENT_CALL_UTILITY)
         task = asyncio.get_running_loop().create_task(self._ping(beat, ping, call))
@@ -267,9 +301,11 @@ class Heartbeat:
             raise
         except Exception as exc:
             with self.guard:
+                _landed(beat, ping)
                 self._failed(beat, ping, exc)
             return
         with self.guard:
+            _landed(beat, ping)
             self.answered(beat, ping, reply, self.clock())
 
     # -- answers -------------------------------------------------------------------
@@ -284,6 +320,15 @@ class Heartbeat:
         beat.round_trip_s = now - ping.sent_at
         if not isinstance(reply, Mapping):
             self.turn_off(beat, f"its {ENGINE_PING_METHOD} answered {type(reply).__name__}")
+            return
+        if reply.get("input_thread") is True and reply.get("via") != VIA_INPUT_THREAD:
+            self.turn_off(
+                beat,
+                f"it said its input thread answers, but this answer came through "
+                f"{reply.get('via') or 'another way'} (another plugin may have replaced its "
+                "input queue), so a long step or utility call could not be told from a stuck "
+                "engine",
+            )
             return
         if reply.get("input_thread") is not True:
             self.turn_off(
@@ -305,16 +350,26 @@ class Heartbeat:
         loop = beat.loop or {}
         state = loop.get("state")
         seconds = loop.get("for_s")
-        if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > self.timeout:
-            self._set_stuck(
+        bound = self.step_timeout if state == STEP else self.timeout
+        if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > bound:
+            setting = "MMCACHE_FIX_STEP_TIMEOUT" if state == STEP else "MMCACHE_FIX_HEALTH_TIMEOUT"
+            self._judge(
                 beat,
                 LOOP,
                 f"{beat.name}'s busy loop has been inside one {state} for {seconds:.1f} s "
-                f"(MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}); its input thread still "
-                "answers",
+                f"({setting}={bound:g}); its input thread still answers",
             )
         else:
             self._clear_stuck(beat)
+
+    def _judge(self, beat: EngineBeat, kind: str, text: str) -> None:
+        """One evaluation found ``kind``: fail ``/health`` once :data:`STRIKES` in a row did."""
+        if beat.candidate == kind:
+            beat.strikes += 1
+        else:
+            beat.candidate, beat.strikes = kind, 1
+        if beat.strikes >= STRIKES:
+            self._set_stuck(beat, kind, text)
 
     def _failed(self, beat: EngineBeat, ping: Ping, exc: Exception) -> None:
         if ping in beat.pending:
@@ -357,6 +412,7 @@ class Heartbeat:
             )
 
     def _clear_stuck(self, beat: EngineBeat) -> None:
+        beat.candidate, beat.strikes = None, 0
         if beat.stuck is None:
             return
         was = beat.stuck
@@ -393,6 +449,21 @@ class Heartbeat:
         return [b for b in self.beats if b.stuck is not None and b.off is None]
 
 
+def _expire(beat: EngineBeat, before: float) -> None:
+    """Pings sent before ``before`` leave the bound; of the evidence (the waiting pings) the
+    oldest and the newest are kept."""
+    while beat.flying and beat.flying[0].sent_at < before:
+        del beat.flying[0]
+    if len(beat.pending) > MAX_IN_FLIGHT:
+        del beat.pending[1 : len(beat.pending) - MAX_IN_FLIGHT + 1]
+
+
+def _landed(beat: EngineBeat, ping: Ping) -> None:
+    """A ping's call to vLLM returned (an answer or an error): no longer in flight."""
+    with contextlib.suppress(ValueError):
+        beat.flying.remove(ping)
+
+
 def _current_task() -> asyncio.Future[Any] | None:
     try:
         return asyncio.current_task()
@@ -419,6 +490,7 @@ class Liveness:
 
     guard: Any = None
     enabled: Callable[[], bool] = lambda: True
+    step_timeout: float = DEFAULT_STEP_TIMEOUT
 
     def attach(self, client: Any) -> Heartbeat | None:
         """The heartbeat of ``client``, started now (in the running loop) if it was not;
@@ -429,7 +501,12 @@ class Liveness:
         if beat is not None:
             return beat
         beat = Heartbeat(
-            client, self.timeout, self.on_answer, guard=self.guard, enabled=self.enabled
+            client,
+            self.timeout,
+            self.on_answer,
+            guard=self.guard,
+            enabled=self.enabled,
+            step_timeout=self.step_timeout,
         )
         self.heartbeats[client] = beat
         beat.start()

@@ -85,6 +85,31 @@ def _async_llm(module: ModuleType) -> None:
     cls.generate = generate_wrapper
 
 
+def _is_ping_answer(value: Any) -> bool:
+    return isinstance(value, dict) and "schema" in value and "via" in value and "pid" in value
+
+
+def _core_client(module: ModuleType) -> None:
+    """While ``drop-pings`` exists, the API server drops the answers to the plugin's
+    heartbeat pings as they arrive (what vLLM's ROUTER does to the replies of an engine that
+    reconnects): the call's future is never resolved."""
+    process = getattr(module, "_process_utility_output", None)
+    if process is None or TRIGGERS is None:
+        return
+    dropped = [0]
+
+    def _process_utility_output(output: Any, utility_results: Any) -> Any:
+        if (TRIGGERS / "drop-pings").exists():
+            result = getattr(getattr(output, "result", None), "result", None)
+            if _is_ping_answer(result):
+                dropped[0] += 1
+                _say(f"ping answer dropped ({dropped[0]} so far)")
+                return None
+        return process(output, utility_results)
+
+    module._process_utility_output = _process_utility_output  # type: ignore[attr-defined]
+
+
 def _cpu_platform(module: ModuleType) -> None:
     cls = getattr(module, "CpuPlatform", None)
     if cls is None or not FORK:
@@ -103,6 +128,7 @@ def _cpu_platform(module: ModuleType) -> None:
 TARGETS: dict[str, Callable[[ModuleType], None]] = {
     "vllm.v1.engine.core": _engine_core,
     "vllm.v1.engine.async_llm": _async_llm,
+    "vllm.v1.engine.core_client": _core_client,
     "vllm.platforms.cpu": _cpu_platform,
 }
 
