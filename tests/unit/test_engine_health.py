@@ -53,7 +53,7 @@ class Client:
     held until :meth:`release`)."""
 
     def __init__(self, engines: int = 1, client_index: int = 0, answer: Any = None) -> None:
-        self.core_engines = [f"e{i}".encode() for i in range(engines)]
+        self.core_engines = [i.to_bytes(2, "little") for i in range(engines)]
         self.client_index = client_index
         self.answer = reply() if answer is None else answer
         self.hold = False
@@ -106,9 +106,28 @@ def test_timeout_default_floor_and_off() -> None:
     assert "floor" in (read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "0.001"}).problem or "")
 
 
-def test_engine_names_follow_vllm() -> None:
-    assert engine_name(0, 1) == "EngineCore"
-    assert [engine_name(i, 2) for i in range(2)] == ["EngineCore_DP0", "EngineCore_DP1"]
+def test_engine_names_follow_vllm_by_dp_rank() -> None:
+    assert engine_name(0, False) == "EngineCore"
+    assert [engine_name(i, True) for i in range(2)] == ["EngineCore_DP0", "EngineCore_DP1"]
+
+    async def go(client: Any) -> list[str]:
+        return [b.name for b in Heartbeat(client, TIMEOUT).beats]
+
+    # An API server managing DP ranks 4 and 5 (hybrid/external load balancing): vLLM's
+    # identities are the ranks, and so are the names (not the positions 0 and 1).
+    ranks = Client()
+    ranks.core_engines = [r.to_bytes(2, "little") for r in (4, 5)]
+    assert run(go(ranks)) == ["EngineCore_DP4", "EngineCore_DP5"]
+    # One engine of a DP=8 deployment (external LB: one rank per API server).
+    one = Client()
+    one.core_engines = [(6).to_bytes(2, "little")]
+    one.vllm_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_size=8)
+    )
+    assert run(go(one)) == ["EngineCore_DP6"]
+    alone = Client()
+    alone.core_engines = [(0).to_bytes(2, "little")]
+    assert run(go(alone)) == ["EngineCore"]
 
 
 # -- the rules -----------------------------------------------------------------------------
@@ -127,7 +146,9 @@ def test_a_healthy_engine_is_pinged_every_interval_and_its_counts_kept() -> None
 
     beat, client = run(go())
     # t=0, 2, 4: three pings per engine, never more than one waiting
-    assert client.calls == [(ENGINE_PING_METHOD, b"e0"), (ENGINE_PING_METHOD, b"e1")] * 3
+    assert (
+        client.calls == [(ENGINE_PING_METHOD, b"\x00\x00"), (ENGINE_PING_METHOD, b"\x01\x00")] * 3
+    )
     assert [e for e, _ in answered] == ["EngineCore_DP0", "EngineCore_DP1"] * 3
     assert beat.verdict() == []
     assert beat.beats[0].counts == {"ghost_keys_dropped": 2, "protected": 1}
@@ -478,7 +499,7 @@ def test_ages_counts_only_from_the_first_api_server_and_elastic_engines() -> Non
             assert beat is not None
             beat.tick(client, 0.0, responsive=True)
         await settle()
-        first.core_engines.append(b"e1")  # a new engine (elastic DP)
+        first.core_engines.append((1).to_bytes(2, "little"))  # a new engine (elastic DP)
         liveness.heartbeats[first].tick(first, 2.0, responsive=True)
         await settle()
         for beat in liveness._all():
@@ -629,3 +650,53 @@ def test_an_internal_error_leaves_vllms_answer(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         assert run(wrapped(types.SimpleNamespace(engine_core=Client()))) is None
     assert fix.switched_off is not None and fix.errors.total == 1
+
+
+def test_timeout_zero_turns_off_the_heartbeat_only(
+    monkeypatch: pytest.MonkeyPatch, engine_dead_error: type
+) -> None:
+    """``MMCACHE_FIX_HEALTH_TIMEOUT=0`` means what the docs say: no pings, ``/health`` is
+    vLLM's own. The process is still an API server: the stall sentinel and the metrics
+    start (they listen for ``API_SERVER_SERVING``), once."""
+    monkeypatch.setenv("MMCACHE_FIX_HEALTH_TIMEOUT", "0")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    serving: list[bool] = []
+    signals.API_SERVER_SERVING.connect(lambda: serving.append(True))
+
+    async def original(self: Any) -> None:
+        return None
+
+    wrapped = health_fix.wrap_check_health(fix, original)
+
+    async def go() -> list[Any]:
+        client = Client()
+        client.hold = True
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        return [await wrapped(engine) for _ in range(3)] + [client.calls]
+
+    try:
+        out = run(go())
+    finally:
+        signals.API_SERVER_SERVING._receivers = ()
+    assert fix.liveness is None and fix.status()["heartbeat"] is False
+    assert out == [None, None, None, []]  # 200 from vLLM's check, no ping sent
+    assert serving == [True]
+
+
+def test_warn_mode_keeps_the_engine_check_as_documented(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``MMCACHE_FIX_MODE=warn`` leaves the caches alone but keeps the stall detection: the
+    words (the mode's docstring, the settings table ``check`` prints) say what the check
+    does in that mode."""
+    from vllm_mmcache_fix.core.settings import SETTINGS
+
+    monkeypatch.setenv("MMCACHE_FIX_MODE", "warn")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    assert fix.liveness is not None and fix.timeout == DEFAULT_HEALTH_TIMEOUT
+    meaning = next(spec.meaning for spec in SETTINGS if spec.name == "MMCACHE_FIX_MODE")
+    assert "warn: leave the caches" in meaning and "/health check" in meaning
+    assert "patch nothing" not in meaning

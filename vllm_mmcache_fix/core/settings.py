@@ -23,7 +23,12 @@ class Mode(str, enum.Enum):
     ON = "on"
     """Patch the multimodal caches (default)."""
     WARN = "warn"
-    """Patch nothing; only warn at start-up when the installed vLLM is exposed."""
+    """Leave vLLM's multimodal caches and sender cache as they are (no eviction fix, no drift
+    guard) and warn at start-up when the installed vLLM is exposed; the stall detection still
+    runs: the ``/health`` engine check (503 for a stuck engine; off with
+    ``MMCACHE_FIX_HEALTH_TIMEOUT=0``), the stall sentinel (off with
+    ``MMCACHE_FIX_STALL_SECONDS=0``) and the metrics. It is the mode to see the freeze happen
+    and be restarted, without the fix."""
     OFF = "off"
     """Do nothing at all."""
 
@@ -240,7 +245,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         ENV_MODE,
         DEFAULT_MODE.value,
         "on | warn | off",
-        "on: patch the multimodal caches; warn: patch nothing, warn when exposed; off: nothing",
+        "on: patch the multimodal caches; warn: leave the caches as vLLM has them, warn when "
+        "exposed, keep the stall detection (/health check, sentinel, metrics); off: nothing",
         _choice_reader(read_mode),
     ),
     SettingSpec(

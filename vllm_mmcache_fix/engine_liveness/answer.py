@@ -45,6 +45,7 @@ from ..vllm_layout import (
     REQUEST_TYPE_UTILITY,
     UTILITY_METHOD_INDEX,
 )
+from . import fork
 from .busy_loop import (
     ABORT,
     ADD,
@@ -118,6 +119,7 @@ class EngineLivenessAnswer(Fix):
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         self.errors.reload_faults()
+        fork.register()
 
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_ID)

@@ -68,8 +68,11 @@ class EngineHealth(Fix):
         if setting.problem and self.note_problem(setting.problem):
             log.warning("%s", setting.problem)
         self.timeout = setting.value
+        self.errors.reload_faults()
         if setting.value == 0:
-            raise DidNotEnable(f"disabled by {ENV_HEALTH_TIMEOUT}=0")
+            # The heartbeat is off (no pings, /health is vLLM's own), but this process is
+            # still recognised as an API server: the stall sentinel and the metrics start.
+            return
         step = read_step_timeout()
         if step.problem and self.note_problem(step.problem):
             log.warning("%s", step.problem)
@@ -81,7 +84,6 @@ class EngineHealth(Fix):
             guard=self._beat_site,
             enabled=lambda: self.switched_off is None,
         )
-        self.errors.reload_faults()
 
     def _uninstall(self) -> None:
         liveness = self.liveness
@@ -93,6 +95,7 @@ class EngineHealth(Fix):
 
     def _status(self) -> dict[str, Any]:
         return {
+            "heartbeat": self.liveness is not None,
             "timeout_s": self.timeout,
             "step_timeout_s": self.step_timeout,
             "ping_interval_s": PING_INTERVAL_S,
@@ -148,7 +151,10 @@ class EngineHealth(Fix):
     def attach(self, engine: Any) -> None:
         """Start the heartbeat of ``engine``'s client, when in its running loop (guarded)."""
         liveness = self.liveness
-        if liveness is None or self.switched_off is not None:
+        if self.switched_off is not None:
+            return
+        if liveness is None:
+            self._serving_without_heartbeat(engine)
             return
         with self._site:
             try:
@@ -176,10 +182,34 @@ class EngineHealth(Fix):
                 )
         signals.API_SERVER_SERVING.send()
 
+    def _serving_without_heartbeat(self, engine: Any) -> None:
+        """``MMCACHE_FIX_HEALTH_TIMEOUT=0``: no heartbeat, but an engine client with engine
+        processes in a running loop still makes this an API server (sentinel, metrics)."""
+        if self.serving or self.timeout != 0:
+            return
+        with self._site:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            if not Liveness.usable(getattr(engine, ENGINE_CLIENT_ATTR, None)):
+                return
+            self.serving = True
+            log.info(
+                "engine heartbeat off in %s (%s=0): /health is vLLM's own",
+                process_label(),
+                ENV_HEALTH_TIMEOUT,
+            )
+        if self.serving:
+            signals.API_SERVER_SERVING.send()
+
     def verdict(self, engine: Any) -> str | None:
         """Why ``/health`` fails now (None: it does not). Reads state; never waits."""
         liveness = self.liveness
-        if liveness is None or self.switched_off is not None:
+        if liveness is None:
+            self.attach(engine)
+            return None
+        if self.switched_off is not None:
             return None
         self.attach(engine)
         client = getattr(engine, ENGINE_CLIENT_ATTR, None)

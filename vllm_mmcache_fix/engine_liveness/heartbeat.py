@@ -84,9 +84,25 @@ LOOP = "loop"
 Clock = Callable[[], float]
 
 
-def engine_name(index: int, count: int) -> str:
-    """vLLM's own name of the process: ``EngineCore`` alone, ``EngineCore_DP<N>`` with DP."""
-    return "EngineCore" if count == 1 else f"EngineCore_DP{index}"
+def engine_rank(identity: Any, index: int) -> int:
+    """The DP rank of an engine: vLLM's identity is the rank as 2 little-endian bytes (its
+    position in the client's list when it is not, as with an external load balancer whose
+    API server manages ranks 4 and 5)."""
+    if isinstance(identity, (bytes, bytearray)) and len(identity) == 2:
+        return int.from_bytes(identity, "little")
+    return index
+
+
+def engine_name(rank: int, data_parallel: bool) -> str:
+    """vLLM's own name of the process: ``EngineCore`` alone, ``EngineCore_DP<rank>`` with
+    DP (the global rank, as vLLM names the process)."""
+    return f"EngineCore_DP{rank}" if data_parallel else "EngineCore"
+
+
+def _dp_size(client: Any) -> int:
+    parallel = getattr(getattr(client, "vllm_config", None), "parallel_config", None)
+    size = getattr(parallel, "data_parallel_size", 1)
+    return size if isinstance(size, int) else 1
 
 
 def _clock_text(wall: float | None) -> str:
@@ -438,8 +454,9 @@ class Heartbeat:
         old = {b.identity: b for b in self.beats}
         now = self.clock()
         beats = [old.get(e) or EngineBeat("", e, now) for e in identities]
+        data_parallel = len(beats) > 1 or _dp_size(client) > 1
         for index, beat in enumerate(beats):
-            beat.name = engine_name(index, len(beats))
+            beat.name = engine_name(engine_rank(beat.identity, index), data_parallel)
         self.beats = beats
 
     def verdict(self) -> list[EngineBeat]:
