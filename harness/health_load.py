@@ -12,7 +12,8 @@ with faults made on purpose by :mod:`harness.inject`:
   timeout long), ``stuck_step`` (one step that does not return: a healthy long step for
   :data:`LONG_STEP_S`, 200 throughout, then stuck past :data:`STEP_TIMEOUT_S`: 503),
   ``drop`` (the API server drops every ping answer for :data:`DROP_S`, then none: ``/health``
-  heals at the first answer that gets through) and
+  heals at the first answer that gets through), ``livelock`` (the scheduler schedules nothing
+  while a request waits: 503 within :data:`PROGRESS_TIMEOUT_S` plus the margin) and
   ``burn`` (15 s of pure-Python work in the API server's request path: the stall sentinel
   must call it busy);
 - ``incident``: the multimodal cache incident replayed with the eviction fix off
@@ -63,7 +64,13 @@ from harness.venvs import (
     venv_vllm_version,
 )
 from vllm_mmcache_fix.core import messages as m
-from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE, ENV_STEP_TIMEOUT
+from vllm_mmcache_fix.core.settings import (
+    ENV_HEALTH_TIMEOUT,
+    ENV_MODE,
+    ENV_PROGRESS_TIMEOUT,
+    ENV_STEP_TIMEOUT,
+)
+from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS
 from vllm_mmcache_fix.metrics import names
 
 RESULTS = REPO_ROOT / "compat" / "health-load.json"
@@ -77,6 +84,8 @@ STEP_TIMEOUT_S = 100.0
 LONG_STEP_S = 90.0
 """The stuck step is a healthy long step until this many seconds: ``/health`` 200 meanwhile
 (above every other timeout of the run, below the step bound)."""
+PROGRESS_TIMEOUT_S = 30.0
+"""``MMCACHE_FIX_PROGRESS_TIMEOUT`` of the serve runs (its floor: the shortest runs)."""
 DROP_S = 20.0
 """The API server drops every ping answer this long (``drop`` phase): 4 timeouts."""
 STEP_SLEEP_S = 2.5
@@ -308,6 +317,38 @@ def phase_drop(url: str, trigger_dir: Path, seconds: float = DROP_S) -> dict[str
     return out
 
 
+def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """The scheduler schedules nothing while a request waits (the zero-token livelock: the
+    busy loop turns, every ping is answered): 503 within the progress timeout plus the
+    margin after the request; once the scheduler serves again, the request completes and
+    ``/health`` is 200 again."""
+    out: dict[str, Any] = {}
+    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        before = time.monotonic()
+        time.sleep(2.0)
+        trigger = inject.trigger(trigger_dir, inject.LIVELOCK)
+        started = time.monotonic()
+        request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 3, 2)))
+        request.start()
+        while time.monotonic() - started < limit and poller.first(503, started) is None:
+            time.sleep(0.2)
+        bad = poller.first(503, started)
+        out["detected_s"] = round(bad.at - started, 2) if bad else None
+        out["metrics_while_stuck"] = _plugin_metrics(url)
+        trigger.unlink()
+        released = time.monotonic()
+        while time.monotonic() - released < 30 and poller.first(200, released) is None:
+            time.sleep(0.2)
+        good = poller.first(200, released)
+        out["recovered_s"] = round(good.at - released, 2) if good else None
+        request.join(120)
+        healthy = [p for p in poller.polls if before <= p.at < started]
+    out["statuses_before"] = sorted({str(p.status) for p in healthy})
+    out["livelock_s"] = round(released - started, 1)
+    return out
+
+
 def phase_burn(url: str, trigger_dir: Path, seconds: float = BURN_S) -> dict[str, Any]:
     """``seconds`` of pure-Python work in the API server's request path (the event loop is
     blocked meanwhile: ``/health`` cannot answer with or without the plugin); after it,
@@ -355,6 +396,7 @@ def scan_log(log: Path) -> dict[str, Any]:
     return {
         "not_answering": count(m.ENGINE_NOT_ANSWERING),
         "loop_stuck": count(m.ENGINE_LOOP_STUCK),
+        "no_progress": count(ENGINE_NO_PROGRESS),
         "answers_again": count(m.ENGINE_ANSWERS_AGAIN),
         "check_off": count(m.ENGINE_CHECK_OFF),
         "invocation_failed": sum("Invocation of" in line for line in lines),
@@ -453,6 +495,7 @@ def run_serve(
                 {
                     ENV_HEALTH_TIMEOUT: f"{TIMEOUT_S:g}",
                     ENV_STEP_TIMEOUT: f"{STEP_TIMEOUT_S:g}",
+                    ENV_PROGRESS_TIMEOUT: f"{PROGRESS_TIMEOUT_S:g}",
                     "VLLM_SERVER_DEV_MODE": "1",
                 },
             ),
@@ -477,6 +520,7 @@ def run_serve(
                 "stuck_step": lambda: phase_stuck_step(url, trigger_dir, plugin),
                 "burn": lambda: phase_burn(url, trigger_dir),
                 "drop": lambda: phase_drop(url, trigger_dir),
+                "livelock": lambda: phase_livelock(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()

@@ -17,7 +17,9 @@ chosen by environment variables (:func:`inject_env` writes them):
   next ``AsyncLLM.generate`` in the API server burn that much CPU in pure Python, in the
   request path, before it goes on; while ``drop-pings`` exists the API server drops the
   answers to the plugin's heartbeat pings as they arrive (their futures never resolve, as
-  when vLLM's ROUTER drops the replies of an engine that reconnects).
+  when vLLM's ROUTER drops the replies of an engine that reconnects); while ``livelock``
+  exists EngineCore's scheduler schedules nothing (the zero-token livelock: empty steps, every
+  ping answered).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -35,6 +37,7 @@ ENV_TRIGGERS = "MMCACHE_INJECT_DIR"
 STUCK_STEP = "stuck-step"
 BURN_API = "burn-api"
 DROP_PINGS = "drop-pings"
+LIVELOCK = "livelock"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
 

@@ -160,6 +160,27 @@ def read_step_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
     return setting
 
 
+ENV_PROGRESS_TIMEOUT = "MMCACHE_FIX_PROGRESS_TIMEOUT"
+DEFAULT_PROGRESS_TIMEOUT = 60.0
+"""Seconds without net progress while eligible work waits before ``/health`` fails: 65 s
+at most from the last progress to the 503 (two answers, 2 s apart, must agree)."""
+PROGRESS_TIMEOUT_RANGE = (30.0, 600.0)
+
+
+def read_progress_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """``MMCACHE_FIX_PROGRESS_TIMEOUT``: 30-600 s, or 0 (the progress rule off)."""
+    env = os.environ if environ is None else environ
+    setting = read_float(ENV_PROGRESS_TIMEOUT, DEFAULT_PROGRESS_TIMEOUT, env)
+    low, high = PROGRESS_TIMEOUT_RANGE
+    if setting.problem or setting.value == 0 or low <= setting.value <= high:
+        return setting
+    return FloatSetting(
+        DEFAULT_PROGRESS_TIMEOUT,
+        f"{ENV_PROGRESS_TIMEOUT}={env.get(ENV_PROGRESS_TIMEOUT)!r} is outside {low:g}-{high:g} "
+        f"s (0 turns the rule off); using {DEFAULT_PROGRESS_TIMEOUT:g}",
+    )
+
+
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 10.0
 
@@ -271,6 +292,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         f"/health fails when one EngineCore step has run this long (default: {VLLM_STEP_TIMEOUT} "
         f"or {DEFAULT_STEP_TIMEOUT:g})",
         _float_reader(read_step_timeout),
+    ),
+    SettingSpec(
+        ENV_PROGRESS_TIMEOUT,
+        f"{DEFAULT_PROGRESS_TIMEOUT:g}",
+        "seconds 30-600; 0 = off",
+        "/health fails when an EngineCore has made no net progress this long while requests wait",
+        _float_reader(read_progress_timeout),
     ),
     SettingSpec(
         ENV_STALL_SECONDS,

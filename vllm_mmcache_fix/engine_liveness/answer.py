@@ -23,6 +23,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,7 @@ from .busy_loop import (
     LoopState,
     Phase,
 )
+from .progress import SCHEDULER_ATTR, Progress
 
 PATCH_ID = "engine-liveness-answer"
 ENGINE_ATTR = "_mmcache_fix_liveness"
@@ -68,10 +70,11 @@ Counts = Callable[[], "dict[str, int]"]
 class Adopted:
     """What the plugin keeps on one adopted engine."""
 
-    __slots__ = ("loop", "hooked")
+    __slots__ = ("loop", "hooked", "progress")
 
     def __init__(self) -> None:
         self.loop = LoopState()
+        self.progress = Progress()
         self.hooked = False
         """Whether the input queue's ``put_nowait`` answers pings in the input thread."""
 
@@ -104,6 +107,8 @@ class EngineLivenessAnswer(Fix):
         self.engines = 0
         self.adopting = True
         self.stamping = True
+        self.progressing = True
+        """Net progress kept after each step; off after an internal error there."""
         self.input_thread = True
         """Pings answered in the input thread; off after an internal error there."""
         self._local = threading.local()
@@ -112,6 +117,7 @@ class EngineLivenessAnswer(Fix):
         self._adopt_site = self.errors.site("engine_liveness.adopt")
         self._stamp_site = self.errors.site("engine_liveness.loop_state")
         self._input_site = self.errors.site("engine_liveness.input_thread")
+        self._progress_site = self.errors.site("engine_liveness.progress")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -133,6 +139,7 @@ class EngineLivenessAnswer(Fix):
             "answers_in_input_thread": self.answers_in_input_thread,
             "input_thread": self.input_thread,
             "loop_state": self.stamping,
+            "progress": self.progressing,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -140,6 +147,8 @@ class EngineLivenessAnswer(Fix):
             self.input_thread = False
         elif where == self._stamp_site.name:
             self.stamping = False
+        elif where == self._progress_site.name:
+            self.progressing = False
         elif where == self._adopt_site.name:
             self.adopting = False
 
@@ -234,6 +243,31 @@ class EngineLivenessAnswer(Fix):
             record, previous = token
             record.loop.leave(previous)
 
+    def after_step(self, engine: Any, token: tuple[Adopted, Phase] | None) -> None:
+        """A step returned: keep the engine's net progress (O(1), guarded)."""
+        if token is None or not self.progressing:
+            return
+        scheduler = getattr(engine, SCHEDULER_ATTR, None)
+        if scheduler is None:
+            return
+        with self._progress_site:
+            token[0].progress.after_step(scheduler, time.monotonic())
+
+    def after_request(self, token: tuple[Adopted, Phase] | None, since: float) -> None:
+        """An add, abort or utility call returned: the progress clock learns of it."""
+        if token is None or not self.progressing:
+            return
+        with self._progress_site:
+            record = token[0]
+            state = record.loop.phase.state
+            now = time.monotonic()
+            if state == ADD:
+                record.progress.added(now)
+            elif state == ABORT:
+                record.progress.aborted(now)
+            elif state == UTILITY:
+                record.progress.skip(now - since)
+
     # -- the input thread ------------------------------------------------------------
 
     def answer_in_input_thread(self, engine: Any, item: Any) -> None:
@@ -264,8 +298,26 @@ class EngineLivenessAnswer(Fix):
             reply["input_thread"] = bool(record is not None and record.hooked and self.input_thread)
             if record is not None and self.stamping:
                 reply["loop"] = record.loop.snapshot()
+            scheduler = getattr(engine, SCHEDULER_ATTR, None)
+            if record is not None and self.progressing and scheduler is not None:
+                reply["progress"] = progress_snapshot(record, scheduler)
             reply["counts"] = dict(self.counts())
         return reply
+
+
+def progress_snapshot(record: Adopted, scheduler: Any) -> dict[str, Any]:
+    """The progress figures the answer carries (read from the input thread)."""
+    phase = record.loop.phase
+    now = time.monotonic()
+    # Inside a step or a utility call the clock stops at its start: a step counts only past
+    # the step bound, a utility call not at all.
+    until = phase.since if phase.state in (STEP, UTILITY) else now
+    progress = record.progress
+    return {
+        "stalled_s": progress.stalled_s(scheduler, until),
+        "empty_steps": progress.empty_steps,
+        "steps": progress.steps,
+    }
 
 
 def _own(cls: Any, attr: str) -> Any:
@@ -306,10 +358,12 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
     def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = fix.enter(self, STEP)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             if token is not None:
                 fix.leave(token)
+        fix.after_step(self, token)
+        return result
 
     return _process_engine_step
 
@@ -318,9 +372,11 @@ def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:
     def _handle_client_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = fix.enter_request(self, args)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             if token is not None:
+                fix.after_request(token, token[0].loop.phase.since)
                 fix.leave(token)
+        return result
 
     return _handle_client_request

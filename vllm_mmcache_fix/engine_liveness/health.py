@@ -25,6 +25,7 @@ from ..core.settings import (
     Mode,
     read_health_timeout,
     read_mode,
+    read_progress_timeout,
     read_step_timeout,
 )
 from ..vllm_layout import (
@@ -51,6 +52,7 @@ class EngineHealth(Fix):
         super().__init__()
         self.timeout: float | None = None
         self.step_timeout: float | None = None
+        self.progress_timeout: float | None = None
         self.liveness: Liveness | None = None
         self.targets: list[str] = []
         self.switched_off: str | None = None
@@ -77,9 +79,14 @@ class EngineHealth(Fix):
         if step.problem and self.note_problem(step.problem):
             log.warning("%s", step.problem)
         self.step_timeout = max(step.value, setting.value)
+        progress = read_progress_timeout()
+        if progress.problem and self.note_problem(progress.problem):
+            log.warning("%s", progress.problem)
+        self.progress_timeout = progress.value
         self.liveness = Liveness(
             setting.value,
             step_timeout=self.step_timeout,
+            progress_timeout=progress.value,
             on_answer=signals.ENGINE_ANSWERED.send,
             guard=self._beat_site,
             enabled=lambda: self.switched_off is None,
@@ -98,6 +105,7 @@ class EngineHealth(Fix):
             "heartbeat": self.liveness is not None,
             "timeout_s": self.timeout,
             "step_timeout_s": self.step_timeout,
+            "progress_timeout_s": self.progress_timeout,
             "ping_interval_s": PING_INTERVAL_S,
             "targets": list(self.targets),
             "switched_off": self.switched_off,
@@ -171,14 +179,15 @@ class EngineHealth(Fix):
                 log.info(
                     "%s %s: a heartbeat pings every EngineCore every %g s; /health answers "
                     "from its state and fails (503) only when an EngineCore's input thread "
-                    "leaves pings unanswered for %g s (%s), or its busy loop stays inside one "
-                    "step for %g s",
+                    "leaves pings unanswered for %g s (%s), its busy loop stays inside one "
+                    "step for %g s, or it makes no net progress for %g s while requests wait",
                     LIVENESS_ACTIVE,
                     process_label(),
                     PING_INTERVAL_S,
                     self.timeout,
                     ENV_HEALTH_TIMEOUT,
                     self.step_timeout,
+                    self.progress_timeout,
                 )
         signals.API_SERVER_SERVING.send()
 

@@ -14,6 +14,11 @@ it reads the verdict the heartbeat keeps. An engine is judged stuck only on evid
   ending it). This verdict is taken only at a tick that came on time: after the event loop
   itself was blocked (a long call in the request path), answers that wait in the socket are
   read first.
+- **no net progress**: an answer says eligible work has waited for longer than the progress
+  timeout (``MMCACHE_FIX_PROGRESS_TIMEOUT``, 60 s) without net progress: no request
+  finished or was aborted, none computed past its high-water mark (:mod:`.progress`). The
+  zero-token livelock, a preemption cascade, a DP engine waiting outside a step. The step in
+  progress counts only past the step bound, a utility call not at all.
 - **loop stuck**: an answer says the busy loop has been inside one add/abort for longer than
   the timeout, or inside one step for longer than the step bound (vLLM's own bound on one
   step, 300 s, ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, or ``MMCACHE_FIX_STEP_TIMEOUT``): a
@@ -80,6 +85,10 @@ DEFAULT_STEP_TIMEOUT = 300.0
 
 SILENT = "silent"
 LOOP = "loop"
+NO_PROGRESS = "no_progress"
+ENGINE_NO_PROGRESS = "EngineCore makes no net progress"
+"""The WARNING of the no-progress verdict (log scans and alerts grep for it)."""
+DEFAULT_PROGRESS_TIMEOUT = 60.0
 
 Clock = Callable[[], float]
 
@@ -153,6 +162,8 @@ class EngineBeat:
     round_trip_s: float | None = None
     loop: dict[str, Any] | None = None
     """The busy loop's state in the last answer (``state``, ``detail``, ``for_s``)."""
+    progress: dict[str, Any] | None = None
+    """Net progress in the last answer (``stalled_s``, ``empty_steps``, ``steps``)."""
     counts: dict[str, Any] | None = None
     """The plugin counters EngineCore sent with its last answer."""
     stuck: str | None = None
@@ -181,6 +192,7 @@ class EngineBeat:
             "answered_at": self.answered_wall,
             "round_trip_s": self.round_trip_s,
             "loop": dict(self.loop) if self.loop else None,
+            "progress": dict(self.progress) if self.progress else None,
             "stuck": self.stuck,
             "off": self.off,
             "failed_checks": self.failed_checks,
@@ -199,9 +211,12 @@ class Heartbeat:
         guard: Any = None,
         enabled: Callable[[], bool] = lambda: True,
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
+        progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT,
     ) -> None:
         self.timeout = timeout
         self.step_timeout = max(step_timeout, timeout)
+        self.progress_timeout = progress_timeout
+        """Seconds without net progress while eligible work waits (0: not judged)."""
         self.on_answer = on_answer
         self.clock = clock
         self.guard = guard if guard is not None else contextlib.nullcontext()
@@ -356,6 +371,8 @@ class Heartbeat:
             return
         loop = reply.get("loop")
         beat.loop = dict(loop) if isinstance(loop, Mapping) else None
+        progress = reply.get("progress")
+        beat.progress = dict(progress) if isinstance(progress, Mapping) else None
         counts = reply.get("counts")
         beat.counts = dict(counts) if isinstance(counts, Mapping) else None
         self.on_answer(beat.name, beat.round_trip_s)
@@ -375,8 +392,26 @@ class Heartbeat:
                 f"{beat.name}'s busy loop has been inside one {state} for {seconds:.1f} s "
                 f"({setting}={bound:g}); its input thread still answers",
             )
-        else:
-            self._clear_stuck(beat)
+            return
+        progress = beat.progress or {}
+        stalled = progress.get("stalled_s")
+        if (
+            self.progress_timeout > 0
+            and isinstance(stalled, (int, float))
+            and stalled > self.progress_timeout
+        ):
+            self._judge(
+                beat,
+                NO_PROGRESS,
+                f"{beat.name} has made no net progress for {stalled:.1f} s while requests "
+                f"wait (no request finished, none computed past its mark; "
+                f"{progress.get('empty_steps', 0)} empty steps so far; "
+                f"MMCACHE_FIX_PROGRESS_TIMEOUT={self.progress_timeout:g}): its busy loop "
+                "turns without serving (a scheduler that cannot fit a request, a preemption "
+                "cascade, a DP engine waiting outside a step)",
+            )
+            return
+        self._clear_stuck(beat)
 
     def _judge(self, beat: EngineBeat, kind: str, text: str) -> None:
         """One evaluation found ``kind``: fail ``/health`` once :data:`STRIKES` in a row did."""
@@ -422,7 +457,9 @@ class Heartbeat:
             log.warning(
                 "%s in %s: %s; /health now fails. Run 'vllm-mmcache-fix diagnose --pid <API "
                 "server pid>' to see where",
-                ENGINE_NOT_ANSWERING if kind == SILENT else ENGINE_LOOP_STUCK,
+                {SILENT: ENGINE_NOT_ANSWERING, NO_PROGRESS: ENGINE_NO_PROGRESS}.get(
+                    kind, ENGINE_LOOP_STUCK
+                ),
                 process_label(),
                 text,
             )
@@ -508,6 +545,7 @@ class Liveness:
     guard: Any = None
     enabled: Callable[[], bool] = lambda: True
     step_timeout: float = DEFAULT_STEP_TIMEOUT
+    progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
 
     def attach(self, client: Any) -> Heartbeat | None:
         """The heartbeat of ``client``, started now (in the running loop) if it was not;
@@ -524,6 +562,7 @@ class Liveness:
             guard=self.guard,
             enabled=self.enabled,
             step_timeout=self.step_timeout,
+            progress_timeout=self.progress_timeout,
         )
         self.heartbeats[client] = beat
         beat.start()

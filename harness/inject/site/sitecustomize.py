@@ -110,6 +110,33 @@ def _core_client(module: ModuleType) -> None:
     module._process_utility_output = _process_utility_output  # type: ignore[attr-defined]
 
 
+def _scheduler(module: ModuleType) -> None:
+    """While ``livelock`` exists, the scheduler schedules nothing (it sees no running and no
+    waiting request), as when it cannot fit a request: the busy loop keeps turning with empty
+    steps and EngineCore answers every ping (the zero-token livelock, vllm#40707)."""
+    cls = getattr(module, "Scheduler", None)
+    if cls is None or TRIGGERS is None:
+        return
+    schedule = cls.schedule
+    said = [False]
+
+    def schedule_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (TRIGGERS / "livelock").exists():
+            said[0] = False
+            return schedule(self, *args, **kwargs)
+        if not said[0]:
+            said[0] = True
+            _say("livelock: the scheduler schedules nothing until the trigger file goes")
+        running, waiting = self.running, self.waiting
+        self.running, self.waiting = [], type(waiting)()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            self.running, self.waiting = running, waiting
+
+    cls.schedule = schedule_wrapper
+
+
 def _cpu_platform(module: ModuleType) -> None:
     cls = getattr(module, "CpuPlatform", None)
     if cls is None or not FORK:
@@ -129,6 +156,7 @@ TARGETS: dict[str, Callable[[ModuleType], None]] = {
     "vllm.v1.engine.core": _engine_core,
     "vllm.v1.engine.async_llm": _async_llm,
     "vllm.v1.engine.core_client": _core_client,
+    "vllm.v1.core.sched.scheduler": _scheduler,
     "vllm.platforms.cpu": _cpu_platform,
 }
 
