@@ -38,7 +38,7 @@ _NOT_READY = "WAITING_FOR"
 class Progress:
     """Written by the busy loop; read by the input thread (plain floats and ints)."""
 
-    __slots__ = ("since", "work", "requests", "empty_steps", "steps")
+    __slots__ = ("since", "work", "requests", "empty_steps", "steps", "unpaused")
 
     def __init__(self) -> None:
         self.since = time.monotonic()
@@ -50,6 +50,8 @@ class Progress:
         self.empty_steps = 0
         """Steps that made no net progress while eligible work waited."""
         self.steps = 0
+        self.unpaused: Any = None
+        """vLLM's ``PauseState.UNPAUSED``, once seen (compared by identity)."""
 
     def added(self, now: float) -> None:
         """A request was added: the clock starts now if nothing waited."""
@@ -66,23 +68,31 @@ class Progress:
             self.since += seconds
 
     def after_step(self, scheduler: Any, now: float) -> None:
-        """After one step of the busy loop: O(1) reads of the scheduler."""
+        """After one step of the busy loop: O(1) reads of the scheduler (``None``: nothing
+        to read, the clock stops)."""
+        if scheduler is None:
+            self.work = False
+            return
         self.steps += 1
         requests = len(scheduler.requests)
         progressed = requests < self.requests
         self.requests = requests
         running = scheduler.running
         if running:
-            request = running[0]
-            computed = request.num_computed_tokens
-            if computed > request.__dict__.get(HWM_ATTR, -1):
-                request.__dict__[HWM_ATTR] = computed
+            first = running[0]
+            computed = first.num_computed_tokens
+            marks = first.__dict__
+            if computed > marks.get(HWM_ATTR, -1):
+                marks[HWM_ATTR] = computed
                 progressed = True
-        if not eligible(scheduler):
+            pause = scheduler.__dict__.get("_pause_state")
+            ready = pause is None or pause is self.unpaused or unpaused(self, pause)
+        else:
+            ready = eligible(scheduler)
+        if not ready:
             self.work = False
             self.since = now
-            return
-        if not self.work:
+        elif not self.work:
             self.work = True
             self.since = now
         elif progressed:
@@ -95,6 +105,14 @@ class Progress:
         if not self.work or not eligible(scheduler):
             return 0.0
         return max(0.0, until - self.since)
+
+
+def unpaused(progress: Progress, pause: Any) -> bool:
+    """Whether ``pause`` is vLLM's ``PauseState.UNPAUSED`` (remembered for the next step)."""
+    if getattr(pause, "name", None) == "UNPAUSED":
+        progress.unpaused = pause
+        return True
+    return False
 
 
 def eligible(scheduler: Any) -> bool:
