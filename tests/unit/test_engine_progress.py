@@ -151,6 +151,17 @@ def test_a_new_request_after_a_long_idle_starts_the_clock_then() -> None:
     assert p.stalled_s(sched, 3601.0) == 1.0
 
 
+def test_a_scheduler_without_vllms_queues_is_never_judged() -> None:
+    class Custom:
+        requests: dict[str, Any] = {}
+
+    p = Progress()
+    p.added(0.0)
+    for t in range(1, 10):
+        p.after_step(Custom(), float(t))
+    assert p.usable is False and p.stalled_s(Custom(), 1000.0) == 0.0
+
+
 def test_utility_time_is_skipped() -> None:
     sched, p = Scheduler(), Progress()
     sched.add(Request("a"))

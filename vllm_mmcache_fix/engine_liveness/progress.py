@@ -38,7 +38,7 @@ _NOT_READY = "WAITING_FOR"
 class Progress:
     """Written by the busy loop; read by the input thread (plain floats and ints)."""
 
-    __slots__ = ("since", "work", "requests", "empty_steps", "steps", "unpaused")
+    __slots__ = ("since", "work", "requests", "empty_steps", "steps", "unpaused", "usable")
 
     def __init__(self) -> None:
         self.since = time.monotonic()
@@ -52,6 +52,10 @@ class Progress:
         self.steps = 0
         self.unpaused: Any = None
         """vLLM's ``PauseState.UNPAUSED``, once seen (compared by identity)."""
+        self.usable: bool | None = None
+        """Whether the scheduler has vLLM's ``requests``, ``running`` and ``waiting`` (a
+        custom ``--scheduler-cls`` may not): checked at the first step; never judged
+        without them."""
 
     def added(self, now: float) -> None:
         """A request was added: the clock starts now if nothing waited."""
@@ -70,9 +74,14 @@ class Progress:
     def after_step(self, scheduler: Any, now: float) -> None:
         """After one step of the busy loop: O(1) reads of the scheduler (``None``: nothing
         to read, the clock stops)."""
-        if scheduler is None:
-            self.work = False
-            return
+        if self.usable is not True:
+            if self.usable is None:
+                self.usable = all(
+                    hasattr(scheduler, name) for name in ("requests", "running", "waiting")
+                )
+            if not self.usable:
+                self.work = False
+                return
         self.steps += 1
         requests = len(scheduler.requests)
         progressed = requests < self.requests
@@ -102,7 +111,7 @@ class Progress:
 
     def stalled_s(self, scheduler: Any, until: float) -> float:
         """Seconds without net progress while eligible work waited, up to ``until``."""
-        if not self.work or not eligible(scheduler):
+        if not self.work or not self.usable or not eligible(scheduler):
             return 0.0
         return max(0.0, until - self.since)
 
