@@ -111,7 +111,7 @@ class Progress:
 
     def stalled_s(self, scheduler: Any, until: float) -> float:
         """Seconds without net progress while eligible work waited, up to ``until``."""
-        if not self.work or not self.usable or not eligible(scheduler):
+        if not self.work or self.usable is False or not eligible(scheduler):
             return 0.0
         return max(0.0, until - self.since)
 
