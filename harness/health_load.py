@@ -9,7 +9,11 @@ with faults made on purpose by :mod:`harness.inject`:
   forked from the API server) runs, in order, the phases ``load`` (every EngineCore step made
   2.5 s long, 4 clients sending chat requests, 8 probes each polling ``/health`` every
   second with a 1 s client timeout for 60 s), ``utility`` (one utility call made 3x the
-  timeout long), ``stuck_step`` (a busy loop stuck inside one step until released) and
+  timeout long), ``stuck_step`` (one step that does not return: a healthy long step for
+  :data:`LONG_STEP_S`, 200 throughout, then stuck past :data:`STEP_TIMEOUT_S`: 503),
+  ``drop`` (the API server drops every ping answer for :data:`DROP_S`, then none: ``/health``
+  heals at the first answer that gets through), ``livelock`` (the scheduler schedules nothing
+  while a request waits: 503 within :data:`PROGRESS_TIMEOUT_S` plus the margin) and
   ``burn`` (15 s of pure-Python work in the API server's request path: the stall sentinel
   must call it busy);
 - ``incident``: the multimodal cache incident replayed with the eviction fix off
@@ -60,7 +64,13 @@ from harness.venvs import (
     venv_vllm_version,
 )
 from vllm_mmcache_fix.core import messages as m
-from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
+from vllm_mmcache_fix.core.settings import (
+    ENV_HEALTH_TIMEOUT,
+    ENV_MODE,
+    ENV_PROGRESS_TIMEOUT,
+    ENV_STEP_TIMEOUT,
+)
+from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS
 from vllm_mmcache_fix.metrics import names
 
 RESULTS = REPO_ROOT / "compat" / "health-load.json"
@@ -69,6 +79,15 @@ TIMEOUT_S = 5.0
 """``MMCACHE_FIX_HEALTH_TIMEOUT`` of every run (the floor: the shortest runs)."""
 DETECT_MARGIN_S = 5.0
 """A stuck engine must turn ``/health`` to 503 within the timeout plus this."""
+STEP_TIMEOUT_S = 100.0
+"""``MMCACHE_FIX_STEP_TIMEOUT`` of the serve runs: a step stuck this long is stuck."""
+LONG_STEP_S = 90.0
+"""The stuck step is a healthy long step until this many seconds: ``/health`` 200 meanwhile
+(above every other timeout of the run, below the step bound)."""
+PROGRESS_TIMEOUT_S = 30.0
+"""``MMCACHE_FIX_PROGRESS_TIMEOUT`` of the serve runs (its floor: the shortest runs)."""
+DROP_S = 20.0
+"""The API server drops every ping answer this long (``drop`` phase): 4 timeouts."""
 STEP_SLEEP_S = 2.5
 UTILITY_SLEEP_S = 3 * TIMEOUT_S
 LOAD_S = 60.0
@@ -237,10 +256,11 @@ def phase_utility(url: str, sleep_s: float = UTILITY_SLEEP_S) -> dict[str, Any]:
 
 
 def phase_stuck_step(
-    url: str, trigger_dir: Path, plugin: bool, timeout_s: float = TIMEOUT_S
+    url: str, trigger_dir: Path, plugin: bool, timeout_s: float = STEP_TIMEOUT_S
 ) -> dict[str, Any]:
-    """A step that does not return until released: 503 within the timeout plus the margin
-    (with the plugin), 200 again once it returns."""
+    """A step that does not return until released: 200 for its first :data:`LONG_STEP_S`
+    (a long healthy step), 503 within the step bound plus the margin (with the plugin), 200
+    again once it returns."""
     out: dict[str, Any] = {}
     limit = timeout_s + DETECT_MARGIN_S + 10.0
     with Poller(url, interval=0.5, timeout=5.0) as poller:
@@ -261,10 +281,71 @@ def phase_stuck_step(
         out["recovered_s"] = round(good.at - released, 2) if good else None
         request.join(200)
         stuck = [p for p in poller.polls if started <= p.at <= released]
+    long_step = [p for p in stuck if p.at <= started + LONG_STEP_S]
+    out["long_step_polls"] = len(long_step)
+    out["long_step_statuses"] = sorted({str(p.status) for p in long_step})
     out["statuses_while_stuck"] = sorted({str(p.status) for p in stuck})
     out["polls_while_stuck"] = len(stuck)
     out["stuck_s"] = round(released - started, 1)
     out["plugin"] = plugin
+    return out
+
+
+def phase_drop(url: str, trigger_dir: Path, seconds: float = DROP_S) -> dict[str, Any]:
+    """Every ping answer dropped by the API server for ``seconds``, then none: ``/health``
+    fails meanwhile (no answer is evidence of silence) and heals at the first answer that
+    gets through (before this check, two lost answers left 503 until a restart)."""
+    out: dict[str, Any] = {}
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        trigger = inject.trigger(trigger_dir, inject.DROP_PINGS)
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            time.sleep(0.2)
+        bad = poller.first(503, started)
+        out["failed_after_s"] = round(bad.at - started, 2) if bad else None
+        trigger.unlink()
+        released = time.monotonic()
+        while time.monotonic() - released < 30 and poller.first(200, released) is None:
+            time.sleep(0.2)
+        good = poller.first(200, released)
+        out["healed_s"] = round(good.at - released, 2) if good else None
+        time.sleep(5.0)
+        after = [p for p in poller.polls if good is not None and p.at >= good.at]
+    out["statuses_after_heal"] = sorted({str(p.status) for p in after})
+    out["polls_after_heal"] = len(after)
+    out["dropped_s"] = seconds
+    return out
+
+
+def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """The scheduler schedules nothing while a request waits (the zero-token livelock: the
+    busy loop turns, every ping is answered): 503 within the progress timeout plus the
+    margin after the request; once the scheduler serves again, the request completes and
+    ``/health`` is 200 again."""
+    out: dict[str, Any] = {}
+    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        before = time.monotonic()
+        time.sleep(2.0)
+        trigger = inject.trigger(trigger_dir, inject.LIVELOCK)
+        started = time.monotonic()
+        request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 3, 2)))
+        request.start()
+        while time.monotonic() - started < limit and poller.first(503, started) is None:
+            time.sleep(0.2)
+        bad = poller.first(503, started)
+        out["detected_s"] = round(bad.at - started, 2) if bad else None
+        out["metrics_while_stuck"] = _plugin_metrics(url)
+        trigger.unlink()
+        released = time.monotonic()
+        while time.monotonic() - released < 30 and poller.first(200, released) is None:
+            time.sleep(0.2)
+        good = poller.first(200, released)
+        out["recovered_s"] = round(good.at - released, 2) if good else None
+        request.join(120)
+        healthy = [p for p in poller.polls if before <= p.at < started]
+    out["statuses_before"] = sorted({str(p.status) for p in healthy})
+    out["livelock_s"] = round(released - started, 1)
     return out
 
 
@@ -315,6 +396,7 @@ def scan_log(log: Path) -> dict[str, Any]:
     return {
         "not_answering": count(m.ENGINE_NOT_ANSWERING),
         "loop_stuck": count(m.ENGINE_LOOP_STUCK),
+        "no_progress": count(ENGINE_NO_PROGRESS),
         "answers_again": count(m.ENGINE_ANSWERS_AGAIN),
         "check_off": count(m.ENGINE_CHECK_OFF),
         "invocation_failed": sum("Invocation of" in line for line in lines),
@@ -408,7 +490,14 @@ def run_serve(
         trigger_dir = Path(triggers)
         env = inject.inject_env(
             _server_env(
-                venv, plugin, {ENV_HEALTH_TIMEOUT: f"{TIMEOUT_S:g}", "VLLM_SERVER_DEV_MODE": "1"}
+                venv,
+                plugin,
+                {
+                    ENV_HEALTH_TIMEOUT: f"{TIMEOUT_S:g}",
+                    ENV_STEP_TIMEOUT: f"{STEP_TIMEOUT_S:g}",
+                    ENV_PROGRESS_TIMEOUT: f"{PROGRESS_TIMEOUT_S:g}",
+                    "VLLM_SERVER_DEV_MODE": "1",
+                },
             ),
             step_sleep_s=STEP_SLEEP_S if "load" in phases else 0.0,
             utility_sleep_s=UTILITY_SLEEP_S,
@@ -430,6 +519,8 @@ def run_serve(
                 "utility": lambda: phase_utility(url),
                 "stuck_step": lambda: phase_stuck_step(url, trigger_dir, plugin),
                 "burn": lambda: phase_burn(url, trigger_dir),
+                "drop": lambda: phase_drop(url, trigger_dir),
+                "livelock": lambda: phase_livelock(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()
@@ -652,9 +743,14 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
             out["utility_200"] = utility["failures"] == 0 and utility["polls"] >= 10
         stuck = phases.get("stuck_step")
         if stuck:
+            if "long_step_statuses" in stuck:
+                out["long_step_200"] = stuck["long_step_statuses"] == ["200"]
             if plugin:
                 detected = stuck.get("detected_s")
-                out["stuck_503_in_time"] = detected is not None and detected <= limit
+                bound = STEP_TIMEOUT_S if "long_step_statuses" in stuck else TIMEOUT_S
+                out["stuck_503_in_time"] = detected is not None and detected <= (
+                    bound + DETECT_MARGIN_S
+                )
                 out["stuck_recovers"] = stuck.get("recovered_s") is not None
                 out["stuck_logged"] = scan.get("loop_stuck") == 1
                 failed = stuck.get("metrics_while_stuck", {}).get(

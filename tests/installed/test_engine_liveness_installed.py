@@ -61,6 +61,21 @@ engine.step_fn = lambda: (during.__setitem__("step", ping(2)), ({}, True))[1]
 engine.post_step = lambda *args, **kwargs: None
 engine.scheduler = types.SimpleNamespace(has_requests=lambda: False)
 core.EngineCoreProc._process_engine_step(engine)
+# vLLM's own scheduler queue and request classes: a request waits, steps schedule nothing.
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.request import Request, RequestStatus
+waiting = object.__new__(Request)
+waiting.request_id, waiting.status, waiting.num_computed_tokens = "w", RequestStatus.WAITING, 0
+queue_ = FCFSRequestQueue(); queue_.append(waiting)
+engine.scheduler = types.SimpleNamespace(
+    has_requests=lambda: True, requests={"w": waiting}, running=[], waiting=queue_)
+engine.step_fn = lambda: ({}, False)
+record = engine.__dict__["_mmcache_fix_liveness"]
+record.progress = type(record.progress)()
+record.progress.added(record.progress.since - 100.0)  # the request came 100 s ago
+for _ in range(3):
+    core.EngineCoreProc._process_engine_step(engine)
+livelock = ping(5)["result"]["progress"]
 engine.slow_utility = lambda: during.__setitem__("utility", ping(3)) or "done"
 engine._handle_client_request(T.UTILITY, [0, 4, "slow_utility", []])
 _, slow = engine.output_queue.get(timeout=5)
@@ -70,6 +85,8 @@ print(json.dumps({
     "step": during["step"],
     "utility": during["utility"],
     "slow_reply": slow.utility_output.result.result,
+    "livelock": livelock,
+    "internal_errors": sum(f.errors.total for f in plugin.FIXES),
     "queued_for_busy_loop": engine.input_queue.qsize(),
     "identified": identified,
     "patched": sorted(
@@ -108,6 +125,9 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     utility = out["utility"]["result"]["loop"]
     assert utility["state"] == "utility" and utility["detail"] == "slow_utility", out
     assert out["slow_reply"] == "done", out
+    # A waiting request and steps that schedule nothing: no net progress, counted.
+    assert out["livelock"]["stalled_s"] >= 99 and out["livelock"]["empty_steps"] == 3, out
+    assert out["internal_errors"] == 0, out
     assert out["queued_for_busy_loop"] == 0, out  # no ping ever reached the busy loop
     assert out["identified"] == ["EngineCore"], out
     assert out["patched"] == [

@@ -26,6 +26,7 @@ from vllm_mmcache_fix.core.settings import (
     DEFAULT_HEALTH_TIMEOUT,
     MIN_HEALTH_TIMEOUT,
     read_health_timeout,
+    read_step_timeout,
 )
 from vllm_mmcache_fix.engine_liveness import health as health_fix
 from vllm_mmcache_fix.engine_liveness import heartbeat as hb
@@ -52,7 +53,7 @@ class Client:
     held until :meth:`release`)."""
 
     def __init__(self, engines: int = 1, client_index: int = 0, answer: Any = None) -> None:
-        self.core_engines = [f"e{i}".encode() for i in range(engines)]
+        self.core_engines = [i.to_bytes(2, "little") for i in range(engines)]
         self.client_index = client_index
         self.answer = reply() if answer is None else answer
         self.hold = False
@@ -105,9 +106,28 @@ def test_timeout_default_floor_and_off() -> None:
     assert "floor" in (read_health_timeout({"MMCACHE_FIX_HEALTH_TIMEOUT": "0.001"}).problem or "")
 
 
-def test_engine_names_follow_vllm() -> None:
-    assert engine_name(0, 1) == "EngineCore"
-    assert [engine_name(i, 2) for i in range(2)] == ["EngineCore_DP0", "EngineCore_DP1"]
+def test_engine_names_follow_vllm_by_dp_rank() -> None:
+    assert engine_name(0, False) == "EngineCore"
+    assert [engine_name(i, True) for i in range(2)] == ["EngineCore_DP0", "EngineCore_DP1"]
+
+    async def go(client: Any) -> list[str]:
+        return [b.name for b in Heartbeat(client, TIMEOUT).beats]
+
+    # An API server managing DP ranks 4 and 5 (hybrid/external load balancing): vLLM's
+    # identities are the ranks, and so are the names (not the positions 0 and 1).
+    ranks = Client()
+    ranks.core_engines = [r.to_bytes(2, "little") for r in (4, 5)]
+    assert run(go(ranks)) == ["EngineCore_DP4", "EngineCore_DP5"]
+    # One engine of a DP=8 deployment (external LB: one rank per API server).
+    one = Client()
+    one.core_engines = [(6).to_bytes(2, "little")]
+    one.vllm_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_size=8)
+    )
+    assert run(go(one)) == ["EngineCore_DP6"]
+    alone = Client()
+    alone.core_engines = [(0).to_bytes(2, "little")]
+    assert run(go(alone)) == ["EngineCore"]
 
 
 # -- the rules -----------------------------------------------------------------------------
@@ -126,14 +146,16 @@ def test_a_healthy_engine_is_pinged_every_interval_and_its_counts_kept() -> None
 
     beat, client = run(go())
     # t=0, 2, 4: three pings per engine, never more than one waiting
-    assert client.calls == [(ENGINE_PING_METHOD, b"e0"), (ENGINE_PING_METHOD, b"e1")] * 3
+    assert (
+        client.calls == [(ENGINE_PING_METHOD, b"\x00\x00"), (ENGINE_PING_METHOD, b"\x01\x00")] * 3
+    )
     assert [e for e, _ in answered] == ["EngineCore_DP0", "EngineCore_DP1"] * 3
     assert beat.verdict() == []
     assert beat.beats[0].counts == {"ghost_keys_dropped": 2, "protected": 1}
     assert beat.beats[0].loop == {"state": "idle", "detail": "", "for_s": 0.0}
 
 
-def test_silence_is_judged_on_two_pings_past_the_timeout_and_clears_on_an_answer(
+def test_silence_is_judged_on_two_pings_past_the_timeout_twice_and_clears_on_an_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def go() -> dict[str, Any]:
@@ -150,26 +172,104 @@ def test_silence_is_judged_on_two_pings_past_the_timeout_and_clears_on_an_answer
         beat.tick(client, TIMEOUT + 0.5, responsive=False)  # a late tick never judges
         seen["stuck_late_tick"] = beat.verdict()
         beat.tick(client, TIMEOUT + 1.0, responsive=True)
+        seen["stuck_first_evaluation"] = beat.verdict()  # one evaluation is not enough
+        beat.tick(client, TIMEOUT + 2.0, responsive=True)
         seen["stuck"] = [b.stuck for b in beat.verdict()]
-        for now in (TIMEOUT + 2, TIMEOUT + 3, TIMEOUT + 30):
-            beat.tick(client, now, responsive=True)
+        for now in range(int(TIMEOUT) + 3, 600):
+            beat.tick(client, float(now), responsive=True)
         await settle()
-        seen["pings"] = len(client.calls)  # at most two in flight, however long
+        seen["in_flight_at_600"] = len(beat.beats[0].flying)  # bounded, however long
+        seen["stuck_at_600"] = [b.stuck for b in beat.verdict()]
         client.release()
         await settle()
         seen["after_answer"] = beat.verdict()
+        seen["in_flight"] = len(beat.beats[0].flying)
         return seen
 
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         seen = run(go())
     assert seen["pings_before_half"] == 1
     assert seen["stuck_at_timeout"] == [] and seen["stuck_late_tick"] == []
-    assert len(seen["stuck"]) == 1 and "EngineCore has not answered for 11.0 s" in seen["stuck"][0]
-    assert "2 pings sent since" in seen["stuck"][0] and "input thread" in seen["stuck"][0]
-    assert seen["pings"] == 2
-    assert seen["after_answer"] == []
+    assert seen["stuck_first_evaluation"] == []
+    assert len(seen["stuck"]) == 1 and "EngineCore has not answered for 12.0 s" in seen["stuck"][0]
+    assert "pings sent since" in seen["stuck"][0] and "input thread" in seen["stuck"][0]
+    assert seen["in_flight_at_600"] <= hb.MAX_IN_FLIGHT and len(seen["stuck_at_600"]) == 1
+    assert seen["after_answer"] == [] and seen["in_flight"] == 0
     assert len(records(caplog, ENGINE_NOT_ANSWERING)) == 1  # one WARNING per stall
     assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 1
+
+
+def test_lost_answers_never_latch_the_first_later_answer_clears(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's ROUTER drops the answers of a reconnecting engine: every ping of the first
+    40 s is lost, then the engine answers again. Driven tick by tick for 600 s (timeout 5 s):
+    ``/health`` fails while nothing comes back and is healthy from the first later answer to
+    the end, with pings still sent."""
+
+    async def go() -> dict[str, Any]:
+        client = Client()
+        client.hold = True
+        beat = Heartbeat(client, 5.0)
+        failing: list[float] = []
+        for now in range(600):
+            if now == 40:
+                client.hold = False
+                client.held.clear()  # the answers of these pings are lost: never released
+            beat.tick(client, float(now), responsive=True)
+            await settle()
+            if beat.verdict():
+                failing.append(float(now))
+        return {
+            "failing": failing,
+            "calls": len(client.calls),
+            "answers": beat.beats[0].answers,
+            "off": beat.beats[0].off,
+            "flying": len(beat.beats[0].flying),
+        }
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        seen = run(go())
+    assert seen["failing"] and max(seen["failing"]) < 42, seen  # healed at the first answer
+    assert seen["answers"] >= 270 and seen["off"] is None, seen  # pinged to the end
+    assert seen["flying"] <= hb.MAX_IN_FLIGHT, seen
+    assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 1
+
+
+def test_answers_lost_again_and_again_never_fail_health_nor_pile_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every other answer lost for 600 s: never a 503, and the pings waiting on vLLM stay
+    within the bound (lost ones expire)."""
+
+    class Lossy(Client):
+        n = 0
+
+        async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:
+            self.n += 1
+            if self.n % 2:
+                self.calls.append((method, engine))
+                await asyncio.get_running_loop().create_future()  # never answered
+            return await super()._call_utility_async(method, *args, engine=engine)
+
+    async def go() -> tuple[Heartbeat, list[float], int]:
+        client = Lossy()
+        beat = Heartbeat(client, 5.0)
+        failing: list[float] = []
+        most = 0
+        for now in range(600):
+            beat.tick(client, float(now), responsive=True)
+            await settle()
+            most = max(most, len(beat.beats[0].flying))
+            if beat.verdict():
+                failing.append(float(now))
+        return beat, failing, most
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat, failing, most = run(go())
+    assert failing == [] and beat.beats[0].off is None
+    assert beat.beats[0].answers >= 100 and most <= hb.MAX_IN_FLIGHT
+    assert records(caplog, ENGINE_NOT_ANSWERING) == []
 
 
 def test_one_lost_answer_is_not_a_dead_thread() -> None:
@@ -192,18 +292,24 @@ def test_one_lost_answer_is_not_a_dead_thread() -> None:
     assert stuck == [] and pending <= 1
 
 
-def test_a_long_utility_call_is_healthy_and_a_long_step_is_stuck(
+def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    step_bound = 90.0
+
     async def go() -> list[list[str | None]]:
         client = Client()
-        beat = Heartbeat(client, TIMEOUT)
+        beat = Heartbeat(client, TIMEOUT, step_timeout=step_bound)
         out: list[list[str | None]] = []
         script = [
-            reply("utility", 3 * TIMEOUT, "reset_prefix_cache"),
-            reply("step", TIMEOUT - 1),
-            reply("step", TIMEOUT + 1),
+            reply("utility", 30 * TIMEOUT, "reset_prefix_cache"),
+            reply("step", TIMEOUT + 1),  # a long healthy step: past the health timeout
+            reply("step", step_bound - 1),
+            reply("step", step_bound + 1),  # once: not yet
+            reply("step", step_bound + 3),  # twice in a row: stuck
+            reply("idle", 0.0),  # recovery at once
             reply("add", TIMEOUT + 3),
+            reply("add", TIMEOUT + 5),
             reply("idle", 0.0),
         ]
         for i, answer in enumerate(script):
@@ -215,12 +321,46 @@ def test_a_long_utility_call_is_healthy_and_a_long_step_is_stuck(
 
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         out = run(go())
-    assert out[0] == [] and out[1] == []
-    assert len(out[2]) == 1 and "busy loop has been inside one step for 11.0 s" in str(out[2][0])
-    assert "add for 13.0 s" in str(out[3][0])
-    assert out[4] == []
-    assert len(records(caplog, ENGINE_LOOP_STUCK)) == 1
-    assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 1
+    assert out[0] == [] and out[1] == [] and out[2] == [] and out[3] == []
+    assert len(out[4]) == 1 and "busy loop has been inside one step for 93.0 s" in str(out[4][0])
+    assert "MMCACHE_FIX_STEP_TIMEOUT=90" in str(out[4][0])
+    assert out[5] == [] and out[6] == []
+    assert "add for 15.0 s" in str(out[7][0])
+    assert out[8] == []
+    assert len(records(caplog, ENGINE_LOOP_STUCK)) == 2
+    assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 2
+
+
+def test_the_step_bound_is_vllms_own_unless_set() -> None:
+    assert read_step_timeout({}).value == 300.0
+    assert read_step_timeout({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "600"}).value == 600.0
+    both = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "600", "MMCACHE_FIX_STEP_TIMEOUT": "120"}
+    assert read_step_timeout(both).value == 120.0
+    bad = read_step_timeout({"MMCACHE_FIX_STEP_TIMEOUT": "1"})
+    assert bad.value == 300.0 and bad.problem and "MMCACHE_FIX_STEP_TIMEOUT" in bad.problem
+    # Never below the health timeout: the heartbeat takes the larger.
+    assert Heartbeat(Client(), 60.0, step_timeout=10.0).step_timeout == 60.0
+
+
+def test_an_answer_through_the_busy_loop_while_the_input_thread_was_said_to_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hook lost to another plugin replacing the input queue: the engine says its input
+    thread answers, but the answer came through the busy loop. Judged by the input-thread
+    rule it would fail /health during a long weight sync; the check is turned off instead."""
+
+    async def go() -> Heartbeat:
+        client = Client(answer=reply(via="busy loop"))
+        beat = Heartbeat(client, TIMEOUT)
+        for now in (0.0, 2.0, 4.0):
+            beat.tick(client, now, responsive=True)
+            await settle()
+        return beat
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat = run(go())
+    assert beat.verdict() == [] and "came through busy loop" in str(beat.beats[0].off)
+    assert len(records(caplog, ENGINE_CHECK_OFF)) == 1
 
 
 @pytest.mark.parametrize(
@@ -296,6 +436,7 @@ def test_a_dead_engine_stops_the_heartbeat_and_leaves_health_to_vllm() -> None:
         beat.tick(client, 0.0, responsive=True)
         beat.tick(client, TIMEOUT / 2, responsive=True)
         beat.tick(client, TIMEOUT + 1, responsive=True)
+        beat.tick(client, TIMEOUT + 2, responsive=True)
         assert beat.verdict()
         client.resources.engine_dead = True
         beat.start()
@@ -358,7 +499,7 @@ def test_ages_counts_only_from_the_first_api_server_and_elastic_engines() -> Non
             assert beat is not None
             beat.tick(client, 0.0, responsive=True)
         await settle()
-        first.core_engines.append(b"e1")  # a new engine (elastic DP)
+        first.core_engines.append((1).to_bytes(2, "little"))  # a new engine (elastic DP)
         liveness.heartbeats[first].tick(first, 2.0, responsive=True)
         await settle()
         for beat in liveness._all():
@@ -455,6 +596,7 @@ def test_health_reads_the_verdict_at_once_after_vllms_own_check(engine_dead_erro
         beat.tick(client, 0.0, responsive=True)
         beat.tick(client, TIMEOUT / 2, responsive=True)
         beat.tick(client, TIMEOUT + 1, responsive=True)
+        beat.tick(client, TIMEOUT + 2, responsive=True)
         t0 = time.perf_counter()
         try:
             await wrapped(engine)
@@ -508,3 +650,53 @@ def test_an_internal_error_leaves_vllms_answer(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         assert run(wrapped(types.SimpleNamespace(engine_core=Client()))) is None
     assert fix.switched_off is not None and fix.errors.total == 1
+
+
+def test_timeout_zero_turns_off_the_heartbeat_only(
+    monkeypatch: pytest.MonkeyPatch, engine_dead_error: type
+) -> None:
+    """``MMCACHE_FIX_HEALTH_TIMEOUT=0`` means what the docs say: no pings, ``/health`` is
+    vLLM's own. The process is still an API server: the stall sentinel and the metrics
+    start (they listen for ``API_SERVER_SERVING``), once."""
+    monkeypatch.setenv("MMCACHE_FIX_HEALTH_TIMEOUT", "0")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    serving: list[bool] = []
+    signals.API_SERVER_SERVING.connect(lambda: serving.append(True))
+
+    async def original(self: Any) -> None:
+        return None
+
+    wrapped = health_fix.wrap_check_health(fix, original)
+
+    async def go() -> list[Any]:
+        client = Client()
+        client.hold = True
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        return [await wrapped(engine) for _ in range(3)] + [client.calls]
+
+    try:
+        out = run(go())
+    finally:
+        signals.API_SERVER_SERVING._receivers = ()
+    assert fix.liveness is None and fix.status()["heartbeat"] is False
+    assert out == [None, None, None, []]  # 200 from vLLM's check, no ping sent
+    assert serving == [True]
+
+
+def test_warn_mode_keeps_the_engine_check_as_documented(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``MMCACHE_FIX_MODE=warn`` leaves the caches alone but keeps the stall detection: the
+    words (the mode's docstring, the settings table ``check`` prints) say what the check
+    does in that mode."""
+    from vllm_mmcache_fix.core.settings import SETTINGS
+
+    monkeypatch.setenv("MMCACHE_FIX_MODE", "warn")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    assert fix.liveness is not None and fix.timeout == DEFAULT_HEALTH_TIMEOUT
+    meaning = next(spec.meaning for spec in SETTINGS if spec.name == "MMCACHE_FIX_MODE")
+    assert "warn: leave the caches" in meaning and "/health check" in meaning
+    assert "patch nothing" not in meaning

@@ -24,7 +24,12 @@ class Mode(str, enum.Enum):
     ON = "on"
     """Patch the multimodal caches (default)."""
     WARN = "warn"
-    """Patch nothing; only warn at start-up when the installed vLLM is exposed."""
+    """Leave vLLM's multimodal caches and sender cache as they are (no eviction fix, no drift
+    guard) and warn at start-up when the installed vLLM is exposed; the stall detection still
+    runs: the ``/health`` engine check (503 for a stuck engine; off with
+    ``MMCACHE_FIX_HEALTH_TIMEOUT=0``), the stall sentinel (off with
+    ``MMCACHE_FIX_STALL_SECONDS=0``) and the metrics. It is the mode to see the freeze happen
+    and be restarted, without the fix."""
     OFF = "off"
     """Do nothing at all."""
 
@@ -136,6 +141,47 @@ def read_health_timeout(environ: Mapping[str, str] | None = None) -> FloatSettin
     )
 
 
+ENV_STEP_TIMEOUT = "MMCACHE_FIX_STEP_TIMEOUT"
+VLLM_STEP_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+"""vLLM's own bound on one step (its default: :data:`DEFAULT_STEP_TIMEOUT`)."""
+DEFAULT_STEP_TIMEOUT = 300.0
+
+
+def read_step_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """How long one EngineCore step may run before ``/health`` calls the busy loop stuck:
+    ``MMCACHE_FIX_STEP_TIMEOUT`` when set, else vLLM's own bound (its
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 s by default). Never below the health
+    timeout (the heartbeat takes the larger)."""
+    env = os.environ if environ is None else environ
+    vllm_own = read_float(VLLM_STEP_TIMEOUT, DEFAULT_STEP_TIMEOUT, env, MIN_HEALTH_TIMEOUT)
+    default = vllm_own.value
+    setting = read_float(ENV_STEP_TIMEOUT, default, env, MIN_HEALTH_TIMEOUT)
+    if env.get(ENV_STEP_TIMEOUT, "").strip() == "" and vllm_own.problem:
+        return FloatSetting(default, vllm_own.problem)
+    return setting
+
+
+ENV_PROGRESS_TIMEOUT = "MMCACHE_FIX_PROGRESS_TIMEOUT"
+DEFAULT_PROGRESS_TIMEOUT = 60.0
+"""Seconds without net progress while eligible work waits before ``/health`` fails: 65 s
+at most from the last progress to the 503 (two answers, 2 s apart, must agree)."""
+PROGRESS_TIMEOUT_RANGE = (30.0, 600.0)
+
+
+def read_progress_timeout(environ: Mapping[str, str] | None = None) -> FloatSetting:
+    """``MMCACHE_FIX_PROGRESS_TIMEOUT``: 30-600 s, or 0 (the progress rule off)."""
+    env = os.environ if environ is None else environ
+    setting = read_float(ENV_PROGRESS_TIMEOUT, DEFAULT_PROGRESS_TIMEOUT, env)
+    low, high = PROGRESS_TIMEOUT_RANGE
+    if setting.problem or setting.value == 0 or low <= setting.value <= high:
+        return setting
+    return FloatSetting(
+        DEFAULT_PROGRESS_TIMEOUT,
+        f"{ENV_PROGRESS_TIMEOUT}={env.get(ENV_PROGRESS_TIMEOUT)!r} is outside {low:g}-{high:g} "
+        f"s (0 turns the rule off); using {DEFAULT_PROGRESS_TIMEOUT:g}",
+    )
+
+
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 10.0
 
@@ -221,7 +267,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         ENV_MODE,
         DEFAULT_MODE.value,
         "on | warn | off",
-        "on: patch the multimodal caches; warn: patch nothing, warn when exposed; off: nothing",
+        "on: patch the multimodal caches; warn: leave the caches as vLLM has them, warn when "
+        "exposed, keep the stall detection (/health check, sentinel, metrics); off: nothing",
         _choice_reader(read_mode),
     ),
     SettingSpec(
@@ -238,6 +285,21 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "seconds >= 0",
         "/health fails when an EngineCore has not answered for this long; 0: off",
         _float_reader(read_health_timeout),
+    ),
+    SettingSpec(
+        ENV_STEP_TIMEOUT,
+        f"{DEFAULT_STEP_TIMEOUT:g}",
+        f"seconds >= {MIN_HEALTH_TIMEOUT:g}",
+        f"/health fails when one EngineCore step has run this long (default: {VLLM_STEP_TIMEOUT} "
+        f"or {DEFAULT_STEP_TIMEOUT:g})",
+        _float_reader(read_step_timeout),
+    ),
+    SettingSpec(
+        ENV_PROGRESS_TIMEOUT,
+        f"{DEFAULT_PROGRESS_TIMEOUT:g}",
+        "seconds 30-600; 0 = off",
+        "/health fails when an EngineCore has made no net progress this long while requests wait",
+        _float_reader(read_progress_timeout),
     ),
     SettingSpec(
         ENV_STALL_SECONDS,

@@ -23,11 +23,13 @@ import functools
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..core import log, registry, signals
+from ..core.guard import InjectedFault
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import ANSWER_ACTIVE
 from ..core.process import process_label
@@ -45,10 +47,12 @@ from ..vllm_layout import (
     REQUEST_TYPE_UTILITY,
     UTILITY_METHOD_INDEX,
 )
+from . import fork
 from .busy_loop import (
     ABORT,
     ADD,
     ANSWER_SCHEMA,
+    IDLE,
     STEP,
     UTILITY,
     VIA_BUSY_LOOP,
@@ -56,6 +60,7 @@ from .busy_loop import (
     LoopState,
     Phase,
 )
+from .progress import SCHEDULER_ATTR, Progress
 
 PATCH_ID = "engine-liveness-answer"
 ENGINE_ATTR = "_mmcache_fix_liveness"
@@ -67,10 +72,11 @@ Counts = Callable[[], "dict[str, int]"]
 class Adopted:
     """What the plugin keeps on one adopted engine."""
 
-    __slots__ = ("loop", "hooked")
+    __slots__ = ("loop", "hooked", "progress")
 
     def __init__(self) -> None:
         self.loop = LoopState()
+        self.progress = Progress()
         self.hooked = False
         """Whether the input queue's ``put_nowait`` answers pings in the input thread."""
 
@@ -103,6 +109,8 @@ class EngineLivenessAnswer(Fix):
         self.engines = 0
         self.adopting = True
         self.stamping = True
+        self.progressing = True
+        """Net progress kept after each step; off after an internal error there."""
         self.input_thread = True
         """Pings answered in the input thread; off after an internal error there."""
         self._local = threading.local()
@@ -111,6 +119,7 @@ class EngineLivenessAnswer(Fix):
         self._adopt_site = self.errors.site("engine_liveness.adopt")
         self._stamp_site = self.errors.site("engine_liveness.loop_state")
         self._input_site = self.errors.site("engine_liveness.input_thread")
+        self._progress_site = self.errors.site("engine_liveness.progress")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -118,6 +127,7 @@ class EngineLivenessAnswer(Fix):
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         self.errors.reload_faults()
+        fork.register()
 
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_ID)
@@ -131,6 +141,7 @@ class EngineLivenessAnswer(Fix):
             "answers_in_input_thread": self.answers_in_input_thread,
             "input_thread": self.input_thread,
             "loop_state": self.stamping,
+            "progress": self.progressing,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -138,6 +149,8 @@ class EngineLivenessAnswer(Fix):
             self.input_thread = False
         elif where == self._stamp_site.name:
             self.stamping = False
+        elif where == self._progress_site.name:
+            self.progressing = False
         elif where == self._adopt_site.name:
             self.adopting = False
 
@@ -232,6 +245,21 @@ class EngineLivenessAnswer(Fix):
             record, previous = token
             record.loop.leave(previous)
 
+    def after_request(self, token: tuple[Adopted, Phase] | None, since: float) -> None:
+        """An add, abort or utility call returned: the progress clock learns of it."""
+        if token is None or not self.progressing:
+            return
+        with self._progress_site:
+            record = token[0]
+            state = record.loop.phase.state
+            now = time.monotonic()
+            if state == ADD:
+                record.progress.added(now)
+            elif state == ABORT:
+                record.progress.aborted(now)
+            elif state == UTILITY:
+                record.progress.skip(now - since)
+
     # -- the input thread ------------------------------------------------------------
 
     def answer_in_input_thread(self, engine: Any, item: Any) -> None:
@@ -262,8 +290,26 @@ class EngineLivenessAnswer(Fix):
             reply["input_thread"] = bool(record is not None and record.hooked and self.input_thread)
             if record is not None and self.stamping:
                 reply["loop"] = record.loop.snapshot()
+            scheduler = getattr(engine, SCHEDULER_ATTR, None)
+            if record is not None and self.progressing and scheduler is not None:
+                reply["progress"] = progress_snapshot(record, scheduler)
             reply["counts"] = dict(self.counts())
         return reply
+
+
+def progress_snapshot(record: Adopted, scheduler: Any) -> dict[str, Any]:
+    """The progress figures the answer carries (read from the input thread)."""
+    phase = record.loop.phase
+    now = time.monotonic()
+    # Inside a step or a utility call the clock stops at its start: a step counts only past
+    # the step bound, a utility call not at all.
+    until = phase.since if phase.state in (STEP, UTILITY) else now
+    progress = record.progress
+    return {
+        "stalled_s": progress.stalled_s(scheduler, until),
+        "empty_steps": progress.empty_steps,
+        "steps": progress.steps,
+    }
 
 
 def _own(cls: Any, attr: str) -> Any:
@@ -301,13 +347,41 @@ def make_adopting_input(fix: EngineLivenessAnswer, original: Any) -> Any:
 
 
 def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
+    """The busy loop's state around each step, then net progress after it. Every step runs
+    this, so it is written flat (no helper calls on the way: ``scripts/bench-step`` holds it
+    to 2 µs); the plugin's work is guarded by ``try`` blocks (free in CPython 3.11 when
+    nothing raises) and vLLM's own call is outside them."""
+    monotonic = time.monotonic
+    new = tuple.__new__  # a Phase without NamedTuple's Python-level __new__
+    stamp_site = fix._stamp_site
+    progress_site = fix._progress_site
+
     def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = fix.enter(self, STEP)
-        try:
+        record = self.__dict__.get(ENGINE_ATTR) if fix.stamping else None
+        if record is None:
             return original(self, *args, **kwargs)
+        loop = record.loop
+        previous = loop.phase
+        try:
+            loop.phase = new(Phase, (STEP, "", monotonic()))
+            if stamp_site.fail:
+                raise InjectedFault(f"fault injected at {stamp_site.name}")
+        except Exception as exc:
+            fix.errors.record(stamp_site.name, exc)
+            return original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
         finally:
-            if token is not None:
-                fix.leave(token)
+            now = monotonic()
+            loop.phase = new(Phase, (IDLE, "", now)) if previous[0] == IDLE else previous
+        if fix.progressing:
+            try:
+                record.progress.after_step(self.__dict__.get(SCHEDULER_ATTR), now)
+                if progress_site.fail:
+                    raise InjectedFault(f"fault injected at {progress_site.name}")
+            except Exception as exc:
+                fix.errors.record(progress_site.name, exc)
+        return result
 
     return _process_engine_step
 
@@ -316,9 +390,11 @@ def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:
     def _handle_client_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = fix.enter_request(self, args)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             if token is not None:
+                fix.after_request(token, token[0].loop.phase.since)
                 fix.leave(token)
+        return result
 
     return _handle_client_request

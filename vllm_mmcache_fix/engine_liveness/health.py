@@ -20,7 +20,14 @@ from ..core import log, registry, signals
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import LIVENESS_ACTIVE
 from ..core.process import process_label
-from ..core.settings import ENV_HEALTH_TIMEOUT, Mode, read_health_timeout, read_mode
+from ..core.settings import (
+    ENV_HEALTH_TIMEOUT,
+    Mode,
+    read_health_timeout,
+    read_mode,
+    read_progress_timeout,
+    read_step_timeout,
+)
 from ..vllm_layout import (
     ASYNC_CLIENT_CLASS,
     CLIENT_CALL_UTILITY,
@@ -44,6 +51,8 @@ class EngineHealth(Fix):
     def __init__(self) -> None:
         super().__init__()
         self.timeout: float | None = None
+        self.step_timeout: float | None = None
+        self.progress_timeout: float | None = None
         self.liveness: Liveness | None = None
         self.targets: list[str] = []
         self.switched_off: str | None = None
@@ -61,15 +70,27 @@ class EngineHealth(Fix):
         if setting.problem and self.note_problem(setting.problem):
             log.warning("%s", setting.problem)
         self.timeout = setting.value
+        self.errors.reload_faults()
         if setting.value == 0:
-            raise DidNotEnable(f"disabled by {ENV_HEALTH_TIMEOUT}=0")
+            # The heartbeat is off (no pings, /health is vLLM's own), but this process is
+            # still recognised as an API server: the stall sentinel and the metrics start.
+            return
+        step = read_step_timeout()
+        if step.problem and self.note_problem(step.problem):
+            log.warning("%s", step.problem)
+        self.step_timeout = max(step.value, setting.value)
+        progress = read_progress_timeout()
+        if progress.problem and self.note_problem(progress.problem):
+            log.warning("%s", progress.problem)
+        self.progress_timeout = progress.value
         self.liveness = Liveness(
             setting.value,
+            step_timeout=self.step_timeout,
+            progress_timeout=progress.value,
             on_answer=signals.ENGINE_ANSWERED.send,
             guard=self._beat_site,
             enabled=lambda: self.switched_off is None,
         )
-        self.errors.reload_faults()
 
     def _uninstall(self) -> None:
         liveness = self.liveness
@@ -81,7 +102,10 @@ class EngineHealth(Fix):
 
     def _status(self) -> dict[str, Any]:
         return {
+            "heartbeat": self.liveness is not None,
             "timeout_s": self.timeout,
+            "step_timeout_s": self.step_timeout,
+            "progress_timeout_s": self.progress_timeout,
             "ping_interval_s": PING_INTERVAL_S,
             "targets": list(self.targets),
             "switched_off": self.switched_off,
@@ -135,7 +159,10 @@ class EngineHealth(Fix):
     def attach(self, engine: Any) -> None:
         """Start the heartbeat of ``engine``'s client, when in its running loop (guarded)."""
         liveness = self.liveness
-        if liveness is None or self.switched_off is not None:
+        if self.switched_off is not None:
+            return
+        if liveness is None:
+            self._serving_without_heartbeat(engine)
             return
         with self._site:
             try:
@@ -152,20 +179,46 @@ class EngineHealth(Fix):
                 log.info(
                     "%s %s: a heartbeat pings every EngineCore every %g s; /health answers "
                     "from its state and fails (503) only when an EngineCore's input thread "
-                    "leaves pings unanswered, or its busy loop stays inside one step, for %g s "
-                    "(%s)",
+                    "leaves pings unanswered for %g s (%s), its busy loop stays inside one "
+                    "step for %g s, or it makes no net progress for %g s while requests wait",
                     LIVENESS_ACTIVE,
                     process_label(),
                     PING_INTERVAL_S,
                     self.timeout,
                     ENV_HEALTH_TIMEOUT,
+                    self.step_timeout,
+                    self.progress_timeout,
                 )
         signals.API_SERVER_SERVING.send()
+
+    def _serving_without_heartbeat(self, engine: Any) -> None:
+        """``MMCACHE_FIX_HEALTH_TIMEOUT=0``: no heartbeat, but an engine client with engine
+        processes in a running loop still makes this an API server (sentinel, metrics)."""
+        if self.serving or self.timeout != 0:
+            return
+        with self._site:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            if not Liveness.usable(getattr(engine, ENGINE_CLIENT_ATTR, None)):
+                return
+            self.serving = True
+            log.info(
+                "engine heartbeat off in %s (%s=0): /health is vLLM's own",
+                process_label(),
+                ENV_HEALTH_TIMEOUT,
+            )
+        if self.serving:
+            signals.API_SERVER_SERVING.send()
 
     def verdict(self, engine: Any) -> str | None:
         """Why ``/health`` fails now (None: it does not). Reads state; never waits."""
         liveness = self.liveness
-        if liveness is None or self.switched_off is not None:
+        if liveness is None:
+            self.attach(engine)
+            return None
+        if self.switched_off is not None:
             return None
         self.attach(engine)
         client = getattr(engine, ENGINE_CLIENT_ATTR, None)

@@ -5,18 +5,33 @@ One asyncio task per engine client, in the client's own event loop, wakes every
 answers, :mod:`.answer`) every :data:`PING_INTERVAL_S`. ``/health`` never waits on EngineCore:
 it reads the verdict the heartbeat keeps. An engine is judged stuck only on evidence:
 
-- **silent**: two pings unanswered, the older one for longer than the timeout (the second is
-  sent when the first is half the timeout old: one lost answer is never taken for a dead
-  thread). EngineCore's input thread answers in milliseconds whatever the busy loop does, so
-  silence means that thread is dead or spinning (the 0.23.0 incident; 0.11-0.13's
-  ``Expected a cached item`` assertion ending it). At most two pings per engine are in flight.
-  This verdict is taken only at a tick that came on time: after the event loop itself was
-  blocked (a long call in the request path), answers that wait in the socket are read first.
-- **loop stuck**: an answer says the busy loop has been inside one step (or one add/abort)
-  for longer than the timeout. A utility call is healthy however long it runs.
+- **silent**: two pings waiting, the older one for longer than the timeout. While a ping
+  waits, another is sent every half timeout, so one lost answer (vLLM's ROUTER drops replies
+  while a remote engine reconnects) is never taken for a dead thread, and the first answer
+  that gets through settles every older ping and clears the verdict. EngineCore's input
+  thread answers in milliseconds whatever the busy loop does, so silence means that thread is
+  dead or spinning (the 0.23.0 incident; 0.11-0.13's ``Expected a cached item`` assertion
+  ending it). This verdict is taken only at a tick that came on time: after the event loop
+  itself was blocked (a long call in the request path), answers that wait in the socket are
+  read first.
+- **no net progress**: an answer says eligible work has waited for longer than the progress
+  timeout (``MMCACHE_FIX_PROGRESS_TIMEOUT``, 60 s) without net progress: no request
+  finished or was aborted, none computed past its high-water mark (:mod:`.progress`). The
+  zero-token livelock, a preemption cascade, a DP engine waiting outside a step. The step in
+  progress counts only past the step bound, a utility call not at all.
+- **loop stuck**: an answer says the busy loop has been inside one add/abort for longer than
+  the timeout, or inside one step for longer than the step bound (vLLM's own bound on one
+  step, 300 s, ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, or ``MMCACHE_FIX_STEP_TIMEOUT``): a
+  long healthy step (a 100k-token prefill chunk, a long video through the encoder) is not a
+  stuck engine. A utility call is healthy however long it runs.
 
-An engine that cannot answer (no ping method: vLLM's failure reply; a client without
-``engine=``; answers from the busy loop only) has its check turned off, with one WARNING.
+A verdict fails ``/health`` only when it holds at two consecutive evaluations (ticks for
+silence, answers for the loop); one answer that says otherwise clears it at once.
+
+At most :data:`MAX_IN_FLIGHT` pings per engine wait on vLLM; one unanswered for four timeouts
+expires and frees its place. An engine that cannot answer (no ping method: vLLM's failure
+reply; a client without ``engine=``; answers from the busy loop only, or through the busy
+loop while its input thread was said to answer) has its check turned off, with one WARNING.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ from ..vllm_layout import (
     ENGINE_PING_METHOD,
     UTILITY_SHUTDOWN_REPLY,
 )
-from .busy_loop import STUCK_STATES
+from .busy_loop import STEP, STUCK_STATES, VIA_INPUT_THREAD
 
 TICK_S = 1.0
 """How often the heartbeat wakes: sends what is due, takes the silent verdict."""
@@ -56,17 +71,47 @@ PING_INTERVAL_S = 2.0
 """Seconds between two pings to one engine (docs/health.md: the cost and the bound)."""
 MAX_LAG_S = 1.0
 """A tick later than this saw an event loop that was blocked: no silent verdict at it."""
-MAX_PENDING = 2
+MAX_IN_FLIGHT = 8
+"""Pings per engine that may wait on vLLM at once (vLLM keeps one future per unanswered
+call): a silent engine is pinged every half timeout until this many wait."""
+EXPIRE_TIMEOUTS = 4.0
+"""A ping unanswered for this many timeouts expires: it no longer counts toward
+:data:`MAX_IN_FLIGHT` (so lost answers never stop the pings), but stays evidence of silence
+until a later answer settles it."""
+STRIKES = 2
+"""Consecutive evaluations a verdict must hold before ``/health`` fails."""
+DEFAULT_STEP_TIMEOUT = 300.0
+"""vLLM's own bound on one step (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``' default)."""
 
 SILENT = "silent"
 LOOP = "loop"
+NO_PROGRESS = "no_progress"
+ENGINE_NO_PROGRESS = "EngineCore makes no net progress"
+"""The WARNING of the no-progress verdict (log scans and alerts grep for it)."""
+DEFAULT_PROGRESS_TIMEOUT = 60.0
 
 Clock = Callable[[], float]
 
 
-def engine_name(index: int, count: int) -> str:
-    """vLLM's own name of the process: ``EngineCore`` alone, ``EngineCore_DP<N>`` with DP."""
-    return "EngineCore" if count == 1 else f"EngineCore_DP{index}"
+def engine_rank(identity: Any, index: int) -> int:
+    """The DP rank of an engine: vLLM's identity is the rank as 2 little-endian bytes (its
+    position in the client's list when it is not, as with an external load balancer whose
+    API server manages ranks 4 and 5)."""
+    if isinstance(identity, (bytes, bytearray)) and len(identity) == 2:
+        return int.from_bytes(identity, "little")
+    return index
+
+
+def engine_name(rank: int, data_parallel: bool) -> str:
+    """vLLM's own name of the process: ``EngineCore`` alone, ``EngineCore_DP<rank>`` with
+    DP (the global rank, as vLLM names the process)."""
+    return f"EngineCore_DP{rank}" if data_parallel else "EngineCore"
+
+
+def _dp_size(client: Any) -> int:
+    parallel = getattr(getattr(client, "vllm_config", None), "parallel_config", None)
+    size = getattr(parallel, "data_parallel_size", 1)
+    return size if isinstance(size, int) else 1
 
 
 def _clock_text(wall: float | None) -> str:
@@ -107,18 +152,27 @@ class EngineBeat:
     identity: Any
     started_at: float
     pending: list[Ping] = field(default_factory=list)
-    """Unanswered pings, oldest first (at most :data:`MAX_PENDING`)."""
+    """Pings waiting: unanswered and sent after the last answered one, oldest first."""
+    flying: list[Ping] = field(default_factory=list)
+    """Pings whose call to vLLM has not returned and that have not expired (at most
+    :data:`MAX_IN_FLIGHT`)."""
     last_sent: float = -math.inf
     answered_at: float | None = None
     answered_wall: float | None = None
     round_trip_s: float | None = None
     loop: dict[str, Any] | None = None
     """The busy loop's state in the last answer (``state``, ``detail``, ``for_s``)."""
+    progress: dict[str, Any] | None = None
+    """Net progress in the last answer (``stalled_s``, ``empty_steps``, ``steps``)."""
     counts: dict[str, Any] | None = None
     """The plugin counters EngineCore sent with its last answer."""
     stuck: str | None = None
     """Why ``/health`` fails for this engine (None: it does not)."""
     stuck_kind: str | None = None
+    candidate: str | None = None
+    """The verdict's kind seen at the last evaluation, before it fails ``/health``."""
+    strikes: int = 0
+    """Consecutive evaluations that found :attr:`candidate`."""
     off: str | None = None
     """Why this engine's check is off (None: it is on)."""
     answers: int = 0
@@ -133,10 +187,12 @@ class EngineBeat:
             "engine": self.name,
             "answers": self.answers,
             "pending": len(self.pending),
+            "in_flight": len(self.flying),
             "last_answer_age_s": round(self.age(now), 3),
             "answered_at": self.answered_wall,
             "round_trip_s": self.round_trip_s,
             "loop": dict(self.loop) if self.loop else None,
+            "progress": dict(self.progress) if self.progress else None,
             "stuck": self.stuck,
             "off": self.off,
             "failed_checks": self.failed_checks,
@@ -154,8 +210,13 @@ class Heartbeat:
         clock: Clock = time.monotonic,
         guard: Any = None,
         enabled: Callable[[], bool] = lambda: True,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT,
+        progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT,
     ) -> None:
         self.timeout = timeout
+        self.step_timeout = max(step_timeout, timeout)
+        self.progress_timeout = progress_timeout
+        """Seconds without net progress while eligible work waits (0: not judged)."""
         self.on_answer = on_answer
         self.clock = clock
         self.guard = guard if guard is not None else contextlib.nullcontext()
@@ -227,21 +288,22 @@ class Heartbeat:
         for beat in self.beats:
             if beat.off is not None:
                 continue
-            if not beat.pending:
-                if now - beat.last_sent >= PING_INTERVAL_S:
-                    self.send(client, beat, now)
-            elif len(beat.pending) < MAX_PENDING and now - beat.pending[0].sent_at >= (
-                self.timeout / 2
-            ):
-                self.send(client, beat, now)  # confirm: one lost answer is not a dead thread
+            if beat.pending:
+                due = now - beat.last_sent >= self.timeout / 2  # confirm, or get through
+            else:
+                due = now - beat.last_sent >= PING_INTERVAL_S
+            _expire(beat, now - EXPIRE_TIMEOUTS * self.timeout)
+            if due and len(beat.flying) < MAX_IN_FLIGHT:
+                self.send(client, beat, now)
+            if not responsive:
+                continue  # no evidence either way at a late tick
             oldest = beat.pending[0] if beat.pending else None
             if (
-                responsive
-                and oldest is not None
-                and len(beat.pending) >= MAX_PENDING
+                oldest is not None
+                and len(beat.pending) >= 2
                 and now - oldest.sent_at > self.timeout
             ):
-                self._set_stuck(
+                self._judge(
                     beat,
                     SILENT,
                     f"{beat.name} has not answered for {now - oldest.sent_at:.1f} s "
@@ -250,10 +312,13 @@ class Heartbeat:
                     f"MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}): its input thread reads no "
                     "request (dead, or spinning)",
                 )
+            elif beat.candidate == SILENT:
+                beat.candidate, beat.strikes = None, 0
 
     def send(self, client: Any, beat: EngineBeat, now: float) -> None:
         ping = Ping(now, time.time())
         beat.pending.append(ping)
+        beat.flying.append(ping)
         beat.last_sent = now
         call = getattr(client, CLIENT_CALL_UTILITY)
         task = asyncio.get_running_loop().create_task(self._ping(beat, ping, call))
@@ -267,9 +332,11 @@ class Heartbeat:
             raise
         except Exception as exc:
             with self.guard:
+                _landed(beat, ping)
                 self._failed(beat, ping, exc)
             return
         with self.guard:
+            _landed(beat, ping)
             self.answered(beat, ping, reply, self.clock())
 
     # -- answers -------------------------------------------------------------------
@@ -285,6 +352,15 @@ class Heartbeat:
         if not isinstance(reply, Mapping):
             self.turn_off(beat, f"its {ENGINE_PING_METHOD} answered {type(reply).__name__}")
             return
+        if reply.get("input_thread") is True and reply.get("via") != VIA_INPUT_THREAD:
+            self.turn_off(
+                beat,
+                f"it said its input thread answers, but this answer came through "
+                f"{reply.get('via') or 'another way'} (another plugin may have replaced its "
+                "input queue), so a long step or utility call could not be told from a stuck "
+                "engine",
+            )
+            return
         if reply.get("input_thread") is not True:
             self.turn_off(
                 beat,
@@ -295,6 +371,8 @@ class Heartbeat:
             return
         loop = reply.get("loop")
         beat.loop = dict(loop) if isinstance(loop, Mapping) else None
+        progress = reply.get("progress")
+        beat.progress = dict(progress) if isinstance(progress, Mapping) else None
         counts = reply.get("counts")
         beat.counts = dict(counts) if isinstance(counts, Mapping) else None
         self.on_answer(beat.name, beat.round_trip_s)
@@ -305,16 +383,44 @@ class Heartbeat:
         loop = beat.loop or {}
         state = loop.get("state")
         seconds = loop.get("for_s")
-        if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > self.timeout:
-            self._set_stuck(
+        bound = self.step_timeout if state == STEP else self.timeout
+        if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > bound:
+            setting = "MMCACHE_FIX_STEP_TIMEOUT" if state == STEP else "MMCACHE_FIX_HEALTH_TIMEOUT"
+            self._judge(
                 beat,
                 LOOP,
                 f"{beat.name}'s busy loop has been inside one {state} for {seconds:.1f} s "
-                f"(MMCACHE_FIX_HEALTH_TIMEOUT={self.timeout:g}); its input thread still "
-                "answers",
+                f"({setting}={bound:g}); its input thread still answers",
             )
+            return
+        progress = beat.progress or {}
+        stalled = progress.get("stalled_s")
+        if (
+            self.progress_timeout > 0
+            and isinstance(stalled, (int, float))
+            and stalled > self.progress_timeout
+        ):
+            self._judge(
+                beat,
+                NO_PROGRESS,
+                f"{beat.name} has made no net progress for {stalled:.1f} s while requests "
+                f"wait (no request finished, none computed past its mark; "
+                f"{progress.get('empty_steps', 0)} empty steps so far; "
+                f"MMCACHE_FIX_PROGRESS_TIMEOUT={self.progress_timeout:g}): its busy loop "
+                "turns without serving (a scheduler that cannot fit a request, a preemption "
+                "cascade, a DP engine waiting outside a step)",
+            )
+            return
+        self._clear_stuck(beat)
+
+    def _judge(self, beat: EngineBeat, kind: str, text: str) -> None:
+        """One evaluation found ``kind``: fail ``/health`` once :data:`STRIKES` in a row did."""
+        if beat.candidate == kind:
+            beat.strikes += 1
         else:
-            self._clear_stuck(beat)
+            beat.candidate, beat.strikes = kind, 1
+        if beat.strikes >= STRIKES:
+            self._set_stuck(beat, kind, text)
 
     def _failed(self, beat: EngineBeat, ping: Ping, exc: Exception) -> None:
         if ping in beat.pending:
@@ -351,12 +457,15 @@ class Heartbeat:
             log.warning(
                 "%s in %s: %s; /health now fails. Run 'vllm-mmcache-fix diagnose --pid <API "
                 "server pid>' to see where",
-                ENGINE_NOT_ANSWERING if kind == SILENT else ENGINE_LOOP_STUCK,
+                {SILENT: ENGINE_NOT_ANSWERING, NO_PROGRESS: ENGINE_NO_PROGRESS}.get(
+                    kind, ENGINE_LOOP_STUCK
+                ),
                 process_label(),
                 text,
             )
 
     def _clear_stuck(self, beat: EngineBeat) -> None:
+        beat.candidate, beat.strikes = None, 0
         if beat.stuck is None:
             return
         was = beat.stuck
@@ -382,8 +491,9 @@ class Heartbeat:
         old = {b.identity: b for b in self.beats}
         now = self.clock()
         beats = [old.get(e) or EngineBeat("", e, now) for e in identities]
+        data_parallel = len(beats) > 1 or _dp_size(client) > 1
         for index, beat in enumerate(beats):
-            beat.name = engine_name(index, len(beats))
+            beat.name = engine_name(engine_rank(beat.identity, index), data_parallel)
         self.beats = beats
 
     def verdict(self) -> list[EngineBeat]:
@@ -391,6 +501,21 @@ class Heartbeat:
         if self.stopped is not None:
             return []
         return [b for b in self.beats if b.stuck is not None and b.off is None]
+
+
+def _expire(beat: EngineBeat, before: float) -> None:
+    """Pings sent before ``before`` leave the bound; of the evidence (the waiting pings) the
+    oldest and the newest are kept."""
+    while beat.flying and beat.flying[0].sent_at < before:
+        del beat.flying[0]
+    if len(beat.pending) > MAX_IN_FLIGHT:
+        del beat.pending[1 : len(beat.pending) - MAX_IN_FLIGHT + 1]
+
+
+def _landed(beat: EngineBeat, ping: Ping) -> None:
+    """A ping's call to vLLM returned (an answer or an error): no longer in flight."""
+    with contextlib.suppress(ValueError):
+        beat.flying.remove(ping)
 
 
 def _current_task() -> asyncio.Future[Any] | None:
@@ -419,6 +544,8 @@ class Liveness:
 
     guard: Any = None
     enabled: Callable[[], bool] = lambda: True
+    step_timeout: float = DEFAULT_STEP_TIMEOUT
+    progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
 
     def attach(self, client: Any) -> Heartbeat | None:
         """The heartbeat of ``client``, started now (in the running loop) if it was not;
@@ -429,7 +556,13 @@ class Liveness:
         if beat is not None:
             return beat
         beat = Heartbeat(
-            client, self.timeout, self.on_answer, guard=self.guard, enabled=self.enabled
+            client,
+            self.timeout,
+            self.on_answer,
+            guard=self.guard,
+            enabled=self.enabled,
+            step_timeout=self.step_timeout,
+            progress_timeout=self.progress_timeout,
         )
         self.heartbeats[client] = beat
         beat.start()

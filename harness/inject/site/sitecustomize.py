@@ -85,6 +85,58 @@ def _async_llm(module: ModuleType) -> None:
     cls.generate = generate_wrapper
 
 
+def _is_ping_answer(value: Any) -> bool:
+    return isinstance(value, dict) and "schema" in value and "via" in value and "pid" in value
+
+
+def _core_client(module: ModuleType) -> None:
+    """While ``drop-pings`` exists, the API server drops the answers to the plugin's
+    heartbeat pings as they arrive (what vLLM's ROUTER does to the replies of an engine that
+    reconnects): the call's future is never resolved."""
+    process = getattr(module, "_process_utility_output", None)
+    if process is None or TRIGGERS is None:
+        return
+    dropped = [0]
+
+    def _process_utility_output(output: Any, utility_results: Any) -> Any:
+        if (TRIGGERS / "drop-pings").exists():
+            result = getattr(getattr(output, "result", None), "result", None)
+            if _is_ping_answer(result):
+                dropped[0] += 1
+                _say(f"ping answer dropped ({dropped[0]} so far)")
+                return None
+        return process(output, utility_results)
+
+    module._process_utility_output = _process_utility_output  # type: ignore[attr-defined]
+
+
+def _scheduler(module: ModuleType) -> None:
+    """While ``livelock`` exists, the scheduler schedules nothing (it sees no running and no
+    waiting request), as when it cannot fit a request: the busy loop keeps turning with empty
+    steps and EngineCore answers every ping (the zero-token livelock, vllm#40707)."""
+    cls = getattr(module, "Scheduler", None)
+    if cls is None or TRIGGERS is None:
+        return
+    schedule = cls.schedule
+    said = [False]
+
+    def schedule_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (TRIGGERS / "livelock").exists():
+            said[0] = False
+            return schedule(self, *args, **kwargs)
+        if not said[0]:
+            said[0] = True
+            _say("livelock: the scheduler schedules nothing until the trigger file goes")
+        running, waiting = self.running, self.waiting
+        self.running, self.waiting = [], type(waiting)()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            self.running, self.waiting = running, waiting
+
+    cls.schedule = schedule_wrapper
+
+
 def _cpu_platform(module: ModuleType) -> None:
     cls = getattr(module, "CpuPlatform", None)
     if cls is None or not FORK:
@@ -103,6 +155,8 @@ def _cpu_platform(module: ModuleType) -> None:
 TARGETS: dict[str, Callable[[ModuleType], None]] = {
     "vllm.v1.engine.core": _engine_core,
     "vllm.v1.engine.async_llm": _async_llm,
+    "vllm.v1.engine.core_client": _core_client,
+    "vllm.v1.core.sched.scheduler": _scheduler,
     "vllm.platforms.cpu": _cpu_platform,
 }
 

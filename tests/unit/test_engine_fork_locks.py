@@ -1,0 +1,97 @@
+"""A real ``os.fork`` while the parent's threads hold the plugin's locks: the child's first
+ping answer (adoption of the engine, then the answer with the process's counters) must not
+block. Run in a subprocess with a deadline (a regression fails, never hangs), under CPU
+contention (a competing thread, a switch interval of 1 µs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD_DEADLINE_S = 10.0
+
+PROGRAM = textwrap.dedent(
+    """
+    import os, queue, sys, threading, time
+    sys.setswitchinterval(1e-6)
+    from vllm_mmcache_fix import plugin
+    from vllm_mmcache_fix.core import counters, registry, signals
+    from vllm_mmcache_fix.engine_liveness import fork
+    from vllm_mmcache_fix.drift_guard.stats import STATS as DRIFT_STATS
+
+    fix = plugin.ENGINE_ANSWER
+    if sys.argv[1] == "renew":
+        fix.install()  # registers the renewal, as register() does in every vLLM process
+        assert fork._registered
+
+    class Engine:
+        def __init__(self):
+            self.input_queue = queue.Queue()
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        # What the parent's threads may be doing at the fork: counting a stall, sending a
+        # signal, patching, bumping a drift counter, logging an internal error.
+        with counters._lock, registry._lock, signals.ENGINE_CORE_RUNNING._lock, \\
+                DRIFT_STATS._lock, fix.errors._lock:
+            held.set()
+            done.wait(60)
+
+    def burn():
+        while not done.is_set():
+            sum(range(1000))
+
+    threading.Thread(target=hold, daemon=True).start()
+    threading.Thread(target=burn, daemon=True).start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        engine = Engine()
+        fix.adopt(engine)
+        signals.ENGINE_CORE_RUNNING.connect(lambda: None)
+        reply = fix.answer(engine)
+        counters.count_stall(counters.STALL_BUSY)
+        os._exit(0 if reply.get("counts") is not None else 4)
+    deadline = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            done.set()
+            print("child exit", os.waitstatus_to_exitcode(status))
+            sys.exit(os.waitstatus_to_exitcode(status))
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    done.set()
+    print("child blocked")
+    sys.exit(3)
+    """
+)
+
+
+def _run(mode: str, deadline: float = CHILD_DEADLINE_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM, mode, str(deadline)],
+        capture_output=True,
+        text=True,
+        timeout=deadline + 60,
+    )
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_fork_while_plugin_threads_hold_locks_never_blocks_the_first_answer() -> None:
+    result = _run("renew")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_without_the_renewal_the_child_blocks() -> None:
+    """The test above would catch the defect: without renewal the child blocks."""
+    result = _run("keep", deadline=3.0)
+    assert result.returncode == 3 and "child blocked" in result.stdout, (
+        result.stdout + result.stderr
+    )

@@ -1,0 +1,232 @@
+"""Net progress in EngineCore (``engine_liveness.progress``) and its verdict in the API server,
+as pure logic: a stand-in scheduler with vLLM's attribute names, a clock the test sets."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+from typing import Any
+
+import pytest
+
+from vllm_mmcache_fix.core.messages import ENGINE_ANSWERS_AGAIN
+from vllm_mmcache_fix.core.settings import DEFAULT_PROGRESS_TIMEOUT, read_progress_timeout
+from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, Heartbeat
+from vllm_mmcache_fix.engine_liveness.progress import Progress, eligible
+
+
+class Status(enum.Enum):
+    WAITING = 1
+    RUNNING = 2
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 3
+    WAITING_FOR_REMOTE_KVS = 4
+
+
+class Pause(enum.Enum):
+    UNPAUSED = 0
+    PAUSED_ALL = 1
+
+
+class Request:
+    def __init__(self, rid: str, status: Status = Status.WAITING) -> None:
+        self.request_id = rid
+        self.status = status
+        self.num_computed_tokens = 0
+
+
+class Queue(collections.deque):  # vLLM's FCFSRequestQueue is a deque with peek_request
+    def peek_request(self) -> Request:
+        if not self:
+            raise IndexError("empty")
+        return self[0]
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+        self.waiting = Queue()
+        self.running: list[Request] = []
+        self._pause_state = Pause.UNPAUSED
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def admit(self) -> Request:
+        request = self.waiting.popleft()
+        request.status = Status.RUNNING
+        self.running.append(request)
+        return request
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        del self.requests[request.request_id]
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+
+def test_the_setting_is_30_to_600_or_0() -> None:
+    assert read_progress_timeout({}).value == DEFAULT_PROGRESS_TIMEOUT == 60.0
+    for good in ("30", "600", "90", "0"):
+        assert read_progress_timeout({"MMCACHE_FIX_PROGRESS_TIMEOUT": good}).value == float(good)
+    for bad in ("29", "601", "-1", "x", "nan"):
+        setting = read_progress_timeout({"MMCACHE_FIX_PROGRESS_TIMEOUT": bad})
+        assert setting.value == 60.0 and "MMCACHE_FIX_PROGRESS_TIMEOUT" in str(setting.problem)
+
+
+def test_a_livelock_stalls_the_clock_and_any_progress_resets_it() -> None:
+    sched, p = Scheduler(), Progress()
+    r = Request("a")
+    sched.add(r)
+    p.added(0.0)
+    for t in range(1, 100):  # the scheduler schedules nothing: the request never runs
+        p.after_step(sched, float(t))
+    assert p.stalled_s(sched, 100.0) == 100.0 and p.empty_steps == 99
+    sched.admit()
+    r.num_computed_tokens = 16  # a prefill chunk
+    p.after_step(sched, 101.0)
+    assert p.stalled_s(sched, 101.5) == 0.5
+    sched.finish(r)
+    p.after_step(sched, 102.0)
+    assert not p.work and p.stalled_s(sched, 5000.0) == 0.0  # idle: the clock does not run
+
+
+def test_a_long_chunked_prefill_progresses_every_step() -> None:
+    sched, p = Scheduler(), Progress()
+    r = Request("long")
+    sched.add(r)
+    p.added(0.0)
+    sched.admit()
+    for t in range(1, 64):  # 128k tokens in 2k chunks, one step per 5 s
+        r.num_computed_tokens += 2048
+        p.after_step(sched, 5.0 * t)
+        assert p.stalled_s(sched, 5.0 * t + 4.9) < 5.0
+    assert p.empty_steps == 0
+
+
+def test_a_preemption_cascade_recomputes_without_net_progress() -> None:
+    sched, p = Scheduler(), Progress()
+    r = Request("a")
+    sched.add(r)
+    p.added(0.0)
+    sched.admit()
+    r.num_computed_tokens = 1000
+    p.after_step(sched, 1.0)
+    t = 1.0
+    for _ in range(20):  # preempted, recomputed to 800, preempted again: never past 1000
+        sched.preempt(r)
+        t += 1
+        p.after_step(sched, t)
+        sched.admit()
+        for computed in (400, 800):
+            r.num_computed_tokens = computed
+            t += 1
+            p.after_step(sched, t)
+    assert p.stalled_s(sched, t) == t - 1.0
+
+
+def test_waiting_that_is_not_eligible_and_a_paused_scheduler_do_not_count() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("grammar", Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR))
+    p.added(0.0)
+    p.after_step(sched, 1.0)
+    assert not eligible(sched) and p.stalled_s(sched, 600.0) == 0.0
+    sched.waiting[0].status = Status.WAITING
+    p.after_step(sched, 601.0)  # the grammar is ready: the clock starts now, not at 0
+    assert p.stalled_s(sched, 611.0) == 10.0
+    sched._pause_state = Pause.PAUSED_ALL
+    assert p.stalled_s(sched, 700.0) == 0.0
+
+
+def test_a_new_request_after_a_long_idle_starts_the_clock_then() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("a"))
+    p.added(3600.0)
+    assert p.stalled_s(sched, 3601.0) == 1.0
+
+
+def test_a_scheduler_without_vllms_queues_is_never_judged() -> None:
+    class Custom:
+        requests: dict[str, Any] = {}
+
+    p = Progress()
+    p.added(0.0)
+    for t in range(1, 10):
+        p.after_step(Custom(), float(t))
+    assert p.usable is False and p.stalled_s(Custom(), 1000.0) == 0.0
+
+
+def test_utility_time_is_skipped() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("a"))
+    p.added(0.0)
+    p.skip(300.0)  # a 5-minute weight sync while the request waited
+    assert p.stalled_s(sched, 310.0) == 10.0
+
+
+def reply(stalled: float, state: str = "idle", for_s: float = 0.0) -> dict[str, Any]:
+    return {
+        "schema": 2,
+        "pid": 1,
+        "via": "input thread",
+        "input_thread": True,
+        "loop": {"state": state, "detail": "", "for_s": for_s},
+        "progress": {"stalled_s": stalled, "empty_steps": 7, "steps": 9},
+        "counts": {},
+    }
+
+
+class Client:
+    def __init__(self) -> None:
+        self.core_engines = [(0).to_bytes(2, "little")]
+        self.client_index = 0
+        self.answer: Any = reply(0.0)
+
+    async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:
+        return self.answer
+
+
+def test_the_verdict_holds_two_answers_and_clears_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> list[list[str | None]]:
+        client = Client()
+        beat = Heartbeat(client, 10.0, progress_timeout=30.0)
+        out: list[list[str | None]] = []
+        for i, stalled in enumerate((29.0, 31.0, 33.0, 35.0, 0.0, 31.0, 0.0)):
+            client.answer = reply(stalled)
+            beat.tick(client, 2.0 * i, responsive=True)
+            for _ in range(5):
+                await asyncio.sleep(0)
+            out.append([b.stuck for b in beat.verdict()])
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        out = asyncio.run(go())
+    assert out[0] == [] and out[1] == []  # once past the timeout is not yet a verdict
+    assert len(out[2]) == 1 and "no net progress for 33.0 s" in str(out[2][0])
+    assert "MMCACHE_FIX_PROGRESS_TIMEOUT=30" in str(out[2][0])
+    assert out[3] and out[4] == [] and out[5] == [] and out[6] == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(ENGINE_NO_PROGRESS in m for m in messages) == 1
+    assert sum(ENGINE_ANSWERS_AGAIN in m for m in messages) == 1
+
+
+def test_progress_rule_off_at_zero() -> None:
+    async def go() -> list[Any]:
+        client = Client()
+        client.answer = reply(10_000.0)
+        beat = Heartbeat(client, 10.0, progress_timeout=0.0)
+        for i in range(4):
+            beat.tick(client, 2.0 * i, responsive=True)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        return beat.verdict()
+
+    assert asyncio.run(go()) == []

@@ -1,0 +1,143 @@
+"""Net progress in EngineCore: how long eligible work has waited without any.
+
+Activity is not progress: a scheduler that schedules nothing for a request it cannot fit
+(the zero-token livelock of vllm#40707, #39734, #45414) keeps the busy loop turning and every
+ping answered. So the busy loop records, after each step and in O(1), whether the engine
+made **net progress**:
+
+- a request finished or was aborted (the scheduler holds fewer requests than after the last
+  step), or
+- the first running request's computed tokens passed their high-water mark (a request
+  preempted and recomputed does not progress until it passes the point it had reached).
+
+Vllm's scheduler serves its running list in order, so the first running request is
+scheduled first in every step that schedules anything: a healthy step moves it. Only that
+request is looked at (its mark is kept on it), so a step costs the same whatever the batch.
+
+Work is **eligible** while a request runs, or the first waiting one is ready to be scheduled
+(not waiting for remote KV, for a structured-output grammar or for streaming input), and the
+scheduler is not paused. Without eligible work the clock does not run (idle, paused); a
+utility call's time does not count; the step in progress counts only past the step bound
+(the API server's rule). The answer to the heartbeat carries ``stalled_s``: seconds since
+the last net progress while eligible work waited.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+SCHEDULER_ATTR = "scheduler"
+"""``EngineCore.scheduler``: vLLM's ``Scheduler`` (``running``, ``waiting``, ``requests``)."""
+HWM_ATTR = "_mmcache_fix_hwm"
+"""On a vLLM ``Request``: the most computed tokens it reached (the high-water mark)."""
+_NOT_READY = "WAITING_FOR"
+"""Prefix of vLLM's ``RequestStatus`` names of a waiting request that is not eligible."""
+
+
+class Progress:
+    """Written by the busy loop; read by the input thread (plain floats and ints)."""
+
+    __slots__ = ("since", "work", "requests", "empty_steps", "steps", "unpaused", "usable")
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        """The last net progress, or when eligible work began waiting."""
+        self.work = False
+        """Eligible work waited after the last step (or an add)."""
+        self.requests = 0
+        """``len(scheduler.requests)`` after the last step."""
+        self.empty_steps = 0
+        """Steps that made no net progress while eligible work waited."""
+        self.steps = 0
+        self.unpaused: Any = None
+        """vLLM's ``PauseState.UNPAUSED``, once seen (compared by identity)."""
+        self.usable: bool | None = None
+        """Whether the scheduler has vLLM's ``requests``, ``running`` and ``waiting`` (a
+        custom ``--scheduler-cls`` may not): checked at the first step; never judged
+        without them."""
+
+    def added(self, now: float) -> None:
+        """A request was added: the clock starts now if nothing waited."""
+        if not self.work:
+            self.work = True
+            self.since = now
+
+    def aborted(self, now: float) -> None:
+        self.since = now
+
+    def skip(self, seconds: float) -> None:
+        """Time the busy loop spent in a utility call does not count."""
+        if self.work and seconds > 0:
+            self.since += seconds
+
+    def after_step(self, scheduler: Any, now: float) -> None:
+        """After one step of the busy loop: O(1) reads of the scheduler (``None``: nothing
+        to read, the clock stops)."""
+        if self.usable is not True:
+            if self.usable is None:
+                self.usable = all(
+                    hasattr(scheduler, name) for name in ("requests", "running", "waiting")
+                )
+            if not self.usable:
+                self.work = False
+                return
+        self.steps += 1
+        requests = len(scheduler.requests)
+        progressed = requests < self.requests
+        self.requests = requests
+        running = scheduler.running
+        if running:
+            first = running[0]
+            computed = first.num_computed_tokens
+            marks = first.__dict__
+            if computed > marks.get(HWM_ATTR, -1):
+                marks[HWM_ATTR] = computed
+                progressed = True
+            pause = scheduler.__dict__.get("_pause_state")
+            ready = pause is None or pause is self.unpaused or unpaused(self, pause)
+        else:
+            ready = eligible(scheduler)
+        if not ready:
+            self.work = False
+            self.since = now
+        elif not self.work:
+            self.work = True
+            self.since = now
+        elif progressed:
+            self.since = now
+        else:
+            self.empty_steps += 1
+
+    def stalled_s(self, scheduler: Any, until: float) -> float:
+        """Seconds without net progress while eligible work waited, up to ``until``."""
+        if not self.work or self.usable is False or not eligible(scheduler):
+            return 0.0
+        return max(0.0, until - self.since)
+
+
+def unpaused(progress: Progress, pause: Any) -> bool:
+    """Whether ``pause`` is vLLM's ``PauseState.UNPAUSED`` (remembered for the next step)."""
+    if getattr(pause, "name", None) == "UNPAUSED":
+        progress.unpaused = pause
+        return True
+    return False
+
+
+def eligible(scheduler: Any) -> bool:
+    """Whether eligible work waits: a request runs, or the first waiting one is ready, and
+    the scheduler is not paused. O(1); safe from the input thread (reads only)."""
+    pause = getattr(scheduler, "_pause_state", None)
+    if pause is not None and getattr(pause, "name", "UNPAUSED") != "UNPAUSED":
+        return False
+    if scheduler.running:
+        return True
+    waiting = scheduler.waiting
+    if not waiting:
+        return False
+    try:
+        head = waiting.peek_request()
+    except Exception:  # emptied meanwhile (read from the input thread)
+        return False
+    status = getattr(getattr(head, "status", None), "name", "")
+    return not str(status).startswith(_NOT_READY)
