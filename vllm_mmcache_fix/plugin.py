@@ -214,6 +214,12 @@ _SLOTS: tuple[_Slot, ...] = (
 _BY_NAME = {slot.name: slot for slot in _SLOTS}
 
 
+def built_fixes() -> tuple[Fix, ...]:
+    """The fixes built in this process so far, in :data:`FIXES` order; imports nothing
+    (safe where no import may happen, e.g. right after a fork)."""
+    return tuple(slot.fix for slot in _SLOTS if slot.fix is not None)
+
+
 def __getattr__(name: str) -> Any:
     """``FIXES`` and each fix by name (``LRU_EVICTION``...), built on first use."""
     if name == "FIXES":
@@ -284,7 +290,7 @@ def uninstrument() -> None:
 
 def _built() -> list[Fix]:
     with _lock:
-        return [slot.fix for slot in _SLOTS if slot.fix is not None]
+        return list(built_fixes())
 
 
 def _internal_errors() -> int:

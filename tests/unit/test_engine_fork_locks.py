@@ -95,3 +95,24 @@ def test_without_the_renewal_the_child_blocks() -> None:
     assert result.returncode == 3 and "child blocked" in result.stdout, (
         result.stdout + result.stderr
     )
+
+
+def test_renewing_the_locks_builds_no_fix() -> None:
+    # The after-fork hook runs in every forked child: it must not import the fixes that
+    # process never needed (plugin.FIXES would build every one of them).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from vllm_mmcache_fix import plugin\n"
+        "from vllm_mmcache_fix.engine_liveness import fork\n"
+        "before = set(sys.modules)\n"
+        "fork.renew_locks_in_child()\n"
+        "new = sorted(m for m in set(sys.modules) - before if m.startswith('vllm_mmcache_fix'))\n"
+        "print(new)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.strip()
+    assert out == "[]", out

@@ -54,7 +54,9 @@ def lock_owners() -> list[tuple[Any, str]]:
             if isinstance(kind, type) and isinstance(value, kind):
                 owners.append((value, "_lock"))
     plugin = sys.modules.get(f"{package}.plugin")
-    for fix in getattr(plugin, "FIXES", ()):
+    # Only the fixes built here: ``plugin.FIXES`` would build (import) the others in the child.
+    built = getattr(plugin, "built_fixes", None)
+    for fix in built() if callable(built) else ():
         owners.append((fix, "lock"))
         errors = getattr(fix, "errors", None)
         if errors is not None:
