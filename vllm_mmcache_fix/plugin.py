@@ -22,6 +22,7 @@ from .drift_guard.stats import STATS as DRIFT_STATS
 from .engine_liveness.answer import EngineLivenessAnswer
 from .engine_liveness.health import EngineHealth
 from .lru_eviction import cache as lru_cache
+from .lru_eviction import stats as cache_stats
 from .lru_eviction.fix import LruEvictionFix
 from .metrics.fix import PluginMetrics
 from .stall_sentinel.fix import StallSentinelFix
@@ -72,6 +73,7 @@ def uninstrument() -> None:
     imports.cancel_all()
     registry.revert_all()
     counters.reset()
+    cache_stats.reset()
 
 
 def counts() -> dict[str, int]:
@@ -90,6 +92,8 @@ def counts() -> dict[str, int]:
         "internal_errors": sum(fix.errors.total for fix in FIXES),
         "stalls_cache_eviction": counters.stalls(counters.STALL_CACHE_EVICTION),
         "stalls_busy": counters.stalls(counters.STALL_BUSY),
+        # Each multimodal cache's figures, as flat "mmcache|<role>|<field>..." keys.
+        **cache_stats.flat_counts(),
     }
 
 
