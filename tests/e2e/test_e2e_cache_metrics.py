@@ -12,11 +12,9 @@ other tests use the same server); the two caches mirror each other, so both see 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from harness.health import scrape
+from harness.cache_figures import ROLES, counters, series, settled
 from harness.http import http_post
 from harness.payloads import media_payload, short_text
 from harness.shared_servers import SharedServers
@@ -36,48 +34,6 @@ def workload(base: int) -> list[tuple[str, int]]:
 
 HITS = {"image": 2, "video": 1}
 MISSES = {"image": 9, "video": 3}
-ROLES = (("sender", ""), ("receiver", "EngineCore"))
-COUNTERS = [
-    (metric, role, engine, modality)
-    for metric in (n.MM_CACHE_HITS, n.MM_CACHE_MISSES)
-    for role, engine in ROLES
-    for modality in ("image", "video")
-] + [(n.MM_CACHE_EVICTIONS, role, engine, None) for role, engine in ROLES]
-
-
-def series(metrics: dict[str, float], name: str, **labels: str) -> float | None:
-    """The value of ``name`` with exactly these labels."""
-    for key, value in metrics.items():
-        if not key.startswith(name + "{"):
-            continue
-        got = dict(part.split("=", 1) for part in key[len(name) + 1 : -1].split(",") if "=" in part)
-        if {k: v.strip('"') for k, v in got.items()} == labels:
-            return value
-    return None
-
-
-def counters(metrics: dict[str, float]) -> dict[tuple[str, str, str, str | None], float]:
-    out = {}
-    for metric, role, engine, modality in COUNTERS:
-        labels = {"role": role, "engine": engine}
-        if modality is not None:
-            labels["modality"] = modality
-        out[(metric, role, engine, modality)] = series(metrics, metric, **labels) or 0.0
-    return out
-
-
-def settled(base_url: str, deadline_s: float = 30.0) -> dict[str, float]:
-    """/metrics once the cache counters stay put across a heartbeat answer (2 s): EngineCore's
-    figures arrive with it, so a read right after a request may not have them yet."""
-    end = time.monotonic() + deadline_s
-    _, metrics, _ = scrape(base_url)
-    while time.monotonic() < end:
-        time.sleep(3.0)
-        _, again, _ = scrape(base_url)
-        if counters(again) == counters(metrics):
-            return again
-        metrics = again
-    raise AssertionError(f"cache counters still moving after {deadline_s} s: {counters(metrics)}")
 
 
 @pytest.mark.shared_server("plugin")

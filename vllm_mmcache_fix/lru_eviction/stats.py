@@ -116,8 +116,18 @@ def _of_prompt_updates(value: Any) -> str:
 
 def _of_item(value: Any) -> str:
     # MultiModalKwargsItem is a UserDict of fields (no modality of its own since 0.11); older
-    # field elements carry one.
+    # field elements carry one. The first field's name, already seen, is the common case.
     data = getattr(value, "data", value)
+    if type(data) is dict:
+        for name in data:
+            modality = _by_field.get(name)
+            if modality:
+                return modality
+            break
+    return _of_item_slow(data)
+
+
+def _of_item_slow(data: Any) -> str:
     if not isinstance(data, dict) or not data:
         return MODALITY_UNKNOWN
     modality = _from_fields(data)
