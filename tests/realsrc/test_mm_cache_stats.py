@@ -72,6 +72,9 @@ out["same_as_vllm"] = (
     == (receiver._hits, receiver._total, list(receiver._LRUCache__order), receiver.currsize)
 )
 out["own_hits"] = own._hits
+misses_before = sum(receiver._mmfix_stats.misses.values())
+receiver["put-back"] = item("image", 10)  # an insert no lookup missed (a drift-guard restore)
+out["put_back_counted"] = sum(receiver._mmfix_stats.misses.values()) - misses_before
 
 sender = Fixed(1000, getsizeof=size_of)
 stats.track(sender, MultiModalProcessorCacheItemMetadata)
@@ -147,6 +150,7 @@ def test_figures_per_role_and_modality(outcomes: dict, case: tuple[str, str | No
     hits = sum(v for k, v in first.items() if k.startswith("mmcache|receiver|hits|"))
     assert hits == out["own_hits"]
     assert first["mmcache|receiver|evictions"] > 0
+    assert out["put_back_counted"] == 0
     assert first["mmcache|receiver|capacity_bytes"] == 1000
     assert 0 < first["mmcache|receiver|bytes"] <= 1000
     assert first["mmcache|receiver|entries"] > 0

@@ -128,6 +128,7 @@ class FixedLRUMixin:
             hits[modality] = hits.get(modality, 0) + 1
             return value
         self._total += 1
+        self._mmfix_stats.unfilled += 1
         return default
 
     def touch(self, key: Hashable) -> None:
@@ -267,22 +268,26 @@ class FixedLRUMixin:
 
 
 def _counting_setitem(base_setitem: Callable[[Any, Hashable, Any], None]) -> Any:
-    """``__setitem__`` that counts the insert (a miss) by modality, or the item too large."""
+    """``__setitem__`` that counts the item a lookup missed by modality, or an item too large."""
 
     def __setitem__(self: Any, key: Hashable, value: Any) -> None:
+        stats = self._mmfix_stats
         try:
             base_setitem(self, key, value)
         except ValueError as exc:
             if str(exc) == TOO_LARGE:
-                stats = self._mmfix_stats
                 stats.too_large += 1
-                misses = stats.misses
-                modality = modality_of(value)
-                misses[modality] = misses.get(modality, 0) + 1
+                if stats.unfilled > 0:
+                    stats.unfilled -= 1
+                    misses = stats.misses
+                    modality = modality_of(value)
+                    misses[modality] = misses.get(modality, 0) + 1
             raise
-        misses = self._mmfix_stats.misses
-        modality = modality_of(value)
-        misses[modality] = misses.get(modality, 0) + 1
+        if stats.unfilled > 0:
+            stats.unfilled -= 1
+            misses = stats.misses
+            modality = modality_of(value)
+            misses[modality] = misses.get(modality, 0) + 1
 
     return __setitem__
 
