@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "e2e-versions": "harness.venvs:print_e2e_versions",
     "pooling-memory": "harness.pooling_memory",
     "topologies": "harness.topologies.cli",
+    "cache-figures": "harness.cache_figures",
 }
 
 
