@@ -277,19 +277,21 @@ def _counting_setitem(base_setitem: Callable[[Any, Hashable, Any], None]) -> Any
         except ValueError as exc:
             if str(exc) == TOO_LARGE:
                 stats.too_large += 1
-                if stats.unfilled > 0:
-                    stats.unfilled -= 1
-                    misses = stats.misses
-                    modality = modality_of(value)
-                    misses[modality] = misses.get(modality, 0) + 1
+                _count_miss(stats, value)
             raise
-        if stats.unfilled > 0:
-            stats.unfilled -= 1
-            misses = stats.misses
-            modality = modality_of(value)
-            misses[modality] = misses.get(modality, 0) + 1
+        _count_miss(stats, value)
 
     return __setitem__
+
+
+def _count_miss(stats: CacheStats, value: Any) -> None:
+    if stats.gated:
+        if stats.unfilled <= 0:
+            return  # an insert no lookup missed: a put-back, not a miss
+        stats.unfilled -= 1
+    misses = stats.misses
+    modality = modality_of(value)
+    misses[modality] = misses.get(modality, 0) + 1
 
 
 TOO_LARGE = "value too large"

@@ -1,9 +1,9 @@
 """What each multimodal cache of this process does: hits and misses per modality, evictions,
 items too large to cache; and, read only when asked, its bytes, capacity and entries.
 
-The fixed class counts on its own paths (:mod:`.cache`): a hit in ``get``, a miss when the item
-a lookup missed is inserted (every miss of vLLM's multimodal caches is followed by an insert
-of the item, which tells its modality), an
+The fixed class counts on its own paths (:mod:`.cache`): a hit in ``get``, a miss when an item is
+inserted (every miss of vLLM's multimodal caches is followed by an insert of the item, which
+tells its modality; in the sender only after a lookup missed), an
 eviction in ``popitem`` (``clear`` not included), an item too large in ``__setitem__``. Sizes
 are what cachetools already tracks (``currsize``, ``maxsize``, ``len``), read by
 :func:`flat_counts` for ``/metrics``; no item is ever walked.
@@ -58,16 +58,19 @@ def role_of(value_type: Any) -> str:
 class CacheStats:
     """The counters of one cache (or of the caches nobody tracks: :data:`UNTRACKED`)."""
 
-    __slots__ = ("hits", "misses", "evictions", "too_large", "unfilled", "__weakref__")
+    __slots__ = ("hits", "misses", "evictions", "too_large", "unfilled", "gated", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, gated: bool = False) -> None:
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}
         self.evictions = 0
         self.too_large = 0
         self.unfilled = 0
-        """Lookups that missed and whose insert has not come yet: an insert with none (the
-        drift guard putting back what a rejected request evicted) is not a miss."""
+        """Lookups that missed and whose insert has not come yet."""
+        self.gated = gated
+        """Count an insert as a miss only after a lookup missed (the sender: the drift guard
+        puts back there what a rejected request evicted). EngineCore's receiver inserts
+        without a lookup when the API server sends the data (0.28+): every insert counts."""
 
 
 UNTRACKED = CacheStats()
@@ -185,7 +188,7 @@ def track(cache: Any, value_type: Any) -> None:
     """Give ``cache`` (a fixed cache vLLM just built) its own counters, under the role its
     ``value_type`` tells."""
     role = role_of(value_type)
-    stats = CacheStats()
+    stats = CacheStats(gated=role == ROLE_SENDER)
     with _lock:
         _tracked.append((weakref.ref(cache), role, stats))
     cache._mmfix_stats = stats
