@@ -45,6 +45,7 @@ COMMANDS: dict[str, str] = {
     "skip-check": "harness.skips",
     "mutation": "harness.mutation",
     "evidence": "harness.evidence",
+    "cache-figures": "harness.cache_figures",
 }
 
 

@@ -286,6 +286,9 @@ def uninstrument() -> None:
     counters = sys.modules.get(f"{__package__}.core.counters")
     if counters is not None:
         counters.reset()
+    cache_stats = sys.modules.get(f"{__package__}.lru_eviction.stats")
+    if cache_stats is not None:
+        cache_stats.reset()
 
 
 def _built() -> list[Fix]:
@@ -318,6 +321,7 @@ def counts() -> dict[str, int]:
     )
     lru = _SLOTS[0].fix
     stalls = sys.modules.get(f"{__package__}.core.counters")
+    cache_stats = sys.modules.get(f"{__package__}.lru_eviction.stats")
     return {
         "protected": int(bool(getattr(lru, "installed", False))),
         "ghost_keys_dropped": repairs["ghost_keys_dropped"],
@@ -329,6 +333,8 @@ def counts() -> dict[str, int]:
         "internal_errors": _internal_errors(),
         "stalls_cache_eviction": stalls.stalls(stalls.STALL_CACHE_EVICTION) if stalls else 0,
         "stalls_busy": stalls.stalls(stalls.STALL_BUSY) if stalls else 0,
+        # Each multimodal cache's figures, as flat "mmcache|<role>|<field>..." keys.
+        **(cache_stats.flat_counts() if cache_stats else {}),
     }
 
 

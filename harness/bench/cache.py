@@ -17,6 +17,7 @@ Without vLLM installed, ``--release X`` benchmarks a release's real
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import itertools
 import json
@@ -81,6 +82,26 @@ def sender_workload(cls: type, keys: list[str]) -> Callable[[], None]:
                 cache.get(key)
             else:
                 cache[key] = value
+
+    return run
+
+
+class MultiModalKwargsItem(collections.UserDict):
+    """Shaped as vLLM's receiver items: a dict of processed fields (the fixed class reads the
+    modality from the field names on every hit and insert)."""
+
+
+def receiver_items_workload(cls: type, keys: list[str]) -> Callable[[], None]:
+    """:func:`receiver_workload` with vLLM-shaped items, half images and half videos."""
+    image = MultiModalKwargsItem({"pixel_values": b"x" * ITEM, "image_grid_thw": b""})
+    video = MultiModalKwargsItem({"pixel_values_videos": b"x" * ITEM, "video_grid_thw": b""})
+
+    def run() -> None:
+        cache = cls(64 * ITEM, getsizeof=lambda item: ITEM)
+        for i, key in enumerate(keys):
+            cache.touch(key)
+            if cache.get(key) is None:
+                cache[key] = video if i % 2 else image
 
     return run
 
@@ -186,6 +207,7 @@ MIXED_OPS = 200_000
 # name -> (workload, distinct keys (0: every key new), operations (0: --ops))
 WORKLOADS: dict[str, tuple[Callable[[type, list[str]], Callable[[], None]], int, int]] = {
     "receiver (touch+get/insert, ~50% hits)": (receiver_workload, 128, 0),
+    "receiver, vLLM-shaped image/video items": (receiver_items_workload, 128, 0),
     "sender (contains+get/insert, ~50% hits)": (sender_workload, 128, 0),
     "hits only (touch+get)": (hits_only, 32, 0),
     "evictions only (insert)": (evictions_only, 0, 0),

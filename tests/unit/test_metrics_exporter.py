@@ -162,7 +162,17 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
     from harness.paths import REPO_ROOT
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
-    first = json.dumps([{"protected": 1, "ghost_keys_dropped": 4}])
+    receiver = {
+        "mmcache|receiver|bytes": 300,
+        "mmcache|receiver|capacity_bytes": 1000,
+        "mmcache|receiver|entries": 3,
+        "mmcache|receiver|evictions": 2,
+        "mmcache|receiver|too_large": 0,
+        "mmcache|receiver|hits|image": 5,
+        "mmcache|receiver|misses|video": 1,
+        "mmcache|process|EngineCore": 1,
+    }
+    first = json.dumps([{"protected": 1, "ghost_keys_dropped": 4, **receiver}])
     # Only the first API server exports EngineCore's counts; each has its own view of the age.
     for engines, age in ((first, 1.5), ("null", 40.0)):
         subprocess.run(
@@ -194,6 +204,10 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
         in text
     ), text
     assert "mmcache_fix_engine_round_trip_seconds_count 2.0" in text, text
+    assert (
+        'mmcache_fix_mm_cache_hits_total{engine="EngineCore",modality="image",role="receiver"} 5.0'
+        in text
+    ), text
     # Every metric is listed, also a labelled counter still at 0 (multiprocess mode shows
     # only series that were created).
     for spec in n.METRICS:

@@ -7,7 +7,9 @@ cachetools' ``while currsize + size > maxsize: popitem()`` spin forever.
 
 ``FixedLRUMixin``'s methods are mixed into a direct subclass of vLLM's own
 class (see :func:`fixed_lru_class`), so everything except ``touch``,
-``popitem`` and ``clear`` stays the installed vLLM's. This module does not import vLLM: it
+``popitem`` and ``clear`` stays the installed vLLM's; ``get`` and ``__setitem__`` keep
+vLLM's behaviour and also count hits, misses, evictions and items too large
+(:mod:`.stats`, for ``/metrics``). This module does not import vLLM: it
 works with any ``cachetools.LRUCache`` subclass that has vLLM's ``pinned_items``
 and ``pop`` behaviour, which keeps it testable on its own and on the released
 sources of every vLLM version.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from .stats import UNTRACKED, CacheStats, modality_of
 
 _NO_VICTIM = object()
 
@@ -116,6 +120,30 @@ class FixedLRUMixin:
     _Cache__data: dict[Hashable, Any]
     _LRUCache__order: Any
     pinned_items: set[Hashable]
+    _hits: int
+    _total: int
+    _mmfix_stats: CacheStats
+
+    def get(self, key: Hashable, default: Any = None, /) -> Any:
+        # vLLM's own get, without its three nested __getitem__ calls, plus the hit's modality.
+        # Anything unusual (an item with no order entry, one removed by another thread
+        # meanwhile) goes to vLLM's own get, whose handling differs across cachetools releases.
+        data = self._Cache__data
+        if key in data:
+            try:
+                value = data[key]
+                self._LRUCache__order.move_to_end(key)
+            except KeyError:
+                return getattr(type(self), BASE_ATTR).get(self, key, default)
+            self._hits += 1
+            self._total += 1
+            hits = self._mmfix_stats.hits
+            modality = modality_of(value)
+            hits[modality] = hits.get(modality, 0) + 1
+            return value
+        self._total += 1
+        self._mmfix_stats.unfilled += 1
+        return default
 
     def touch(self, key: Hashable) -> None:
         # Membership first, as vLLM 0.24+ does: a missing key costs a dict lookup, not
@@ -145,6 +173,7 @@ class FixedLRUMixin:
                 if key not in data:
                     break  # an order-only key: vLLM's own popitem would stall on it
                 if remove_pinned or key not in pinned:
+                    self._mmfix_stats.evictions += 1
                     return key, self.pop(key)  # type: ignore[attr-defined]
             else:
                 # Order and data agree and nothing is evictable: vLLM's own popitem
@@ -157,13 +186,17 @@ class FixedLRUMixin:
         )
         if victim is _NO_VICTIM:
             return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
+        self._mmfix_stats.evictions += 1
         return victim, self.pop(victim)  # type: ignore[attr-defined]
 
     def clear(self) -> None:
         data = self._Cache__data
+        stats = self._mmfix_stats
+        evictions = stats.evictions  # what clear removes is not evicted
         # Each call removes one real item, so this runs at most len(data) times.
         while data:
             self.popitem(remove_pinned=True)
+        stats.evictions = evictions
         if self._LRUCache__order:
             self._mmfix_repair()
         # A pin can outlive its item when cachetools' delete fails half-way.
@@ -248,7 +281,38 @@ class FixedLRUMixin:
             time.sleep(0.001)
 
 
+def _counting_setitem(base_setitem: Callable[[Any, Hashable, Any], None]) -> Any:
+    """``__setitem__`` that counts the item a lookup missed by modality, or an item too large."""
+
+    def __setitem__(self: Any, key: Hashable, value: Any) -> None:
+        stats = self._mmfix_stats
+        try:
+            base_setitem(self, key, value)
+        except ValueError as exc:
+            if str(exc) == TOO_LARGE:
+                stats.too_large += 1
+                _count_miss(stats, value)
+            raise
+        _count_miss(stats, value)
+
+    return __setitem__
+
+
+def _count_miss(stats: CacheStats, value: Any) -> None:
+    if stats.gated:
+        if stats.unfilled <= 0:
+            return  # an insert no lookup missed: a put-back, not a miss
+        stats.unfilled -= 1
+    misses = stats.misses
+    modality = modality_of(value)
+    misses[modality] = misses.get(modality, 0) + 1
+
+
+TOO_LARGE = "value too large"
+"""cachetools' message for an item larger than the whole cache (5.x – 8.x)."""
+
 _MIXED_IN = (
+    "get",
     "touch",
     "popitem",
     "clear",
@@ -278,11 +342,19 @@ def fixed_lru_class(base: type) -> type:
     with _fixed_classes_lock:
         cls = _fixed_classes.get(base)
         if cls is None:
-            namespace = {
+            untyped: Any = base
+            namespace: dict[str, Any] = {
                 name: value for name, value in FixedLRUMixin.__dict__.items() if name in _MIXED_IN
             }
             namespace.update(
-                {MARKER: True, BASE_ATTR: base, "__module__": __name__, "__doc__": base.__doc__}
+                {
+                    MARKER: True,
+                    BASE_ATTR: base,
+                    "__module__": __name__,
+                    "__doc__": base.__doc__,
+                    "__setitem__": _counting_setitem(untyped.__setitem__),
+                    "_mmfix_stats": UNTRACKED,
+                }
             )
             if _touch_adds_missing_keys(base):
                 # Same behaviour, the base's cost on a hit (see _mmfix_touch_order_first).

@@ -13,6 +13,8 @@ from typing import Any
 
 from ..core import registry
 from ..core.signatures import SignatureMismatch, reader
+from . import stats
+from .cache import is_fixed
 from .locate import FACTORY, CacheFactory
 
 PATCH_FIX = "mm-lru-eviction"
@@ -23,16 +25,18 @@ OnBuild = Callable[[Any, "float | None"], Any]
 
 
 CAPACITY_PARAM = "capacity_gb"
+VALUE_TYPE_PARAM = "value_type"
 
 
-def capacity_reader(func: Any, *, bound: bool) -> Any:
+def capacity_reader(func: Any, *, bound: bool, name: str = CAPACITY_PARAM) -> Any:
     """How to read ``capacity_gb`` from the factory's arguments, checked on its signature.
 
     The capacity only feeds the start-up warning: a factory without it gets the
-    fix all the same, with the capacity unknown (None).
+    fix all the same, with the capacity unknown (None). ``value_type`` (the cache's role on
+    ``/metrics``) is read the same way.
     """
     try:
-        return reader(func, CAPACITY_PARAM, what=FACTORY, skip=1 if bound else 0)
+        return reader(func, name, what=FACTORY, skip=1 if bound else 0)
     except SignatureMismatch:
         return None
 
@@ -47,15 +51,24 @@ def _capacity(arg: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float 
         return None
 
 
-def _guarded(on_build: OnBuild, on_error: Callable[[BaseException], None]) -> OnBuild:
-    def call(cache: Any, capacity_gb: float | None) -> Any:
+def _guarded(
+    on_build: OnBuild, on_error: Callable[[BaseException], None]
+) -> Callable[[Any, float | None, Any], Any]:
+    def call(cache: Any, capacity_gb: float | None, value_type: Any) -> Any:
         try:
-            return on_build(cache, capacity_gb)
+            built = on_build(cache, capacity_gb)
+            if is_fixed(built):
+                stats.track(built, value_type)
+            return built
         except Exception as exc:  # never fail vLLM's cache construction
             on_error(exc)
             return cache
 
     return call
+
+
+def _value_type(arg: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return None if arg is None else arg.get(args, kwargs)
 
 
 def wrapper_maker(
@@ -67,15 +80,20 @@ def wrapper_maker(
 
     def make(func: Any) -> Any:
         position = capacity_reader(func, bound=bound)
+        kind = capacity_reader(func, bound=bound, name=VALUE_TYPE_PARAM)
         if bound:
 
             def get_lru_cache(cls: type, *args: Any, **kwargs: Any) -> Any:
-                return handle(func(cls, *args, **kwargs), _capacity(position, args, kwargs))
+                cache = func(cls, *args, **kwargs)
+                return handle(
+                    cache, _capacity(position, args, kwargs), _value_type(kind, args, kwargs)
+                )
 
             return get_lru_cache
 
         def get_lru_cache_static(*args: Any, **kwargs: Any) -> Any:
-            return handle(func(*args, **kwargs), _capacity(position, args, kwargs))
+            cache = func(*args, **kwargs)
+            return handle(cache, _capacity(position, args, kwargs), _value_type(kind, args, kwargs))
 
         return get_lru_cache_static
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..lru_eviction import stats as cache_stats
 from . import names as n
 
 SYNC_INTERVAL_S = 1.0
@@ -48,11 +49,23 @@ _COUNTS_OF_API_SERVER: tuple[tuple[str, str], ...] = (
 )
 
 
+_CACHE_GAUGES = {
+    "bytes": n.MM_CACHE_BYTES,
+    "capacity_bytes": n.MM_CACHE_CAPACITY,
+    "entries": n.MM_CACHE_ENTRIES,
+}
+_CACHE_COUNTERS = {"evictions": n.MM_CACHE_EVICTIONS, "too_large": n.MM_CACHE_TOO_LARGE}
+_CACHE_BY_MODALITY = {"hits": n.MM_CACHE_HITS, "misses": n.MM_CACHE_MISSES}
+
+
 @dataclass
 class Deltas:
     """The cumulative values already exported, per (metric, labels)."""
 
     seen: dict[tuple[str, Labels], float] = field(default_factory=dict)
+    gauges: set[tuple[str, Labels]] = field(default_factory=set)
+    """The cache gauges set by the last plan: one no longer reported (its engine left) is set
+    to 0 once."""
 
     def increase(self, metric: str, labels: Labels, value: float) -> float:
         key = (metric, labels)
@@ -100,7 +113,51 @@ def plan(
         updates.append((n.PROTECTED_PROCESSES, (("kind", n.KIND_ENGINE_CORE),), "set", protected))
     for engine, age in sorted((ages or {}).items()):
         updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
+    gauges: set[tuple[str, Labels]] = set()
+    _cache_updates(local, "", counter, updates, gauges)
+    for index, counts in enumerate(engines or ()):
+        _cache_updates(
+            counts, _engine_label(counts, index, len(engines or ())), counter, updates, gauges
+        )
+    for metric, labels in sorted(deltas.gauges - gauges):
+        updates.append((metric, labels, "set", 0.0))
+    deltas.gauges = gauges
     return updates
+
+
+def _engine_label(counts: Mapping[str, Any], index: int, count: int) -> str:
+    """The engine's process name as it reports it (vLLM's ``EngineCore``/``EngineCore_DP<N>``,
+    the names of the engine's other series)."""
+    for key in counts:
+        if isinstance(key, str) and key.startswith(cache_stats.KEY_PROCESS):
+            return key[len(cache_stats.KEY_PROCESS) :]
+    return "EngineCore" if count == 1 else f"EngineCore_DP{index}"
+
+
+def _cache_updates(
+    counts: Mapping[str, Any],
+    engine: str,
+    counter: Callable[[str, Labels, float], None],
+    updates: list[Update],
+    gauges: set[tuple[str, Labels]],
+) -> None:
+    """The multimodal cache series of one process's counts (``mmcache|role|field[|modality]``)."""
+    for key in sorted(k for k in counts if isinstance(k, str)):
+        if not key.startswith(cache_stats.KEY_PREFIX) or key.startswith(cache_stats.KEY_PROCESS):
+            continue
+        parts = key.split("|")
+        if len(parts) < 3:
+            continue
+        labels: Labels = (("role", parts[1]), ("engine", engine))
+        value = _num(counts, key)
+        if len(parts) == 3 and parts[2] in _CACHE_GAUGES:
+            metric = _CACHE_GAUGES[parts[2]]
+            updates.append((metric, labels, "set", value))
+            gauges.add((metric, labels))
+        elif len(parts) == 3 and parts[2] in _CACHE_COUNTERS:
+            counter(_CACHE_COUNTERS[parts[2]], labels, value)
+        elif len(parts) == 4 and parts[2] in _CACHE_BY_MODALITY:
+            counter(_CACHE_BY_MODALITY[parts[2]], (*labels, ("modality", parts[3])), value)
 
 
 class Exporter:
@@ -211,7 +268,7 @@ class Exporter:
                 if not self.started:
                     return
                 local, engines, ages = self.local(), self.engines(), self.ages()
-                planned = Deltas(dict(self.deltas.seen))
+                planned = Deltas(dict(self.deltas.seen), set(self.deltas.gauges))
                 for metric, labels, op, amount in plan(planned, local, engines, ages):
                     child = self._child(metric, labels)
                     if op == "inc":
@@ -220,6 +277,7 @@ class Exporter:
                         self.deltas.seen[key] = planned.seen[key]
                     else:
                         child.set(amount)
+                self.deltas.gauges = planned.gauges
                 self.failures_in_a_row = 0
         except Exception as exc:
             self._failed(exc)

@@ -25,6 +25,17 @@ BUILD_INFO = "mmcache_fix_build_info"
 ENGINE_LAST_ANSWER_AGE = "mmcache_fix_engine_last_answer_age_seconds"
 """Seconds since each EngineCore last answered this API server's heartbeat (``engine``)."""
 
+MM_CACHE_BYTES = "mmcache_fix_mm_cache_bytes"
+MM_CACHE_CAPACITY = "mmcache_fix_mm_cache_capacity_bytes"
+MM_CACHE_ENTRIES = "mmcache_fix_mm_cache_entries"
+MM_CACHE_EVICTIONS = "mmcache_fix_mm_cache_evictions_total"
+MM_CACHE_TOO_LARGE = "mmcache_fix_mm_cache_too_large_total"
+MM_CACHE_HITS = "mmcache_fix_mm_cache_hits_total"
+MM_CACHE_MISSES = "mmcache_fix_mm_cache_misses_total"
+CACHE_LABELS = ("role", "engine")
+"""``role``: sender, receiver, processor_only; ``engine``: EngineCore's name for its caches
+(``EngineCore``, ``EngineCore_DP<N>``), empty for the API server's."""
+
 # Label values.
 KIND_API_SERVER = "api_server"
 KIND_ENGINE_CORE = "engine_core"
@@ -110,6 +121,48 @@ METRICS: tuple[MetricSpec, ...] = (
         "Seconds since the EngineCore last answered the heartbeat (about 2 s when healthy; "
         "NaN where the check is off for it); the freshest over API servers.",
         multiprocess_mode="livemin",
+    ),
+    MetricSpec(
+        MM_CACHE_BYTES,
+        "gauge",
+        CACHE_LABELS,
+        "Bytes the multimodal processor caches hold (cachetools' currsize: vLLM's own size of "
+        "each item), per role and engine.",
+    ),
+    MetricSpec(
+        MM_CACHE_CAPACITY,
+        "gauge",
+        CACHE_LABELS,
+        "Capacity in bytes of the multimodal processor caches (--mm-processor-cache-gb).",
+    ),
+    MetricSpec(
+        MM_CACHE_ENTRIES, "gauge", CACHE_LABELS, "Items held by the multimodal processor caches."
+    ),
+    MetricSpec(
+        MM_CACHE_EVICTIONS,
+        "counter",
+        CACHE_LABELS,
+        "Items evicted from the multimodal processor caches to make room (a reset not counted).",
+    ),
+    MetricSpec(
+        MM_CACHE_TOO_LARGE,
+        "counter",
+        CACHE_LABELS,
+        "Items larger than the whole multimodal processor cache: served uncached (0.29+) or "
+        "failed (older releases).",
+    ),
+    MetricSpec(
+        MM_CACHE_HITS,
+        "counter",
+        (*CACHE_LABELS, "modality"),
+        "Multimodal processor cache lookups that found the item, per modality.",
+    ),
+    MetricSpec(
+        MM_CACHE_MISSES,
+        "counter",
+        (*CACHE_LABELS, "modality"),
+        "Multimodal processor cache lookups that missed (the item was then processed and "
+        "inserted), per modality.",
     ),
     MetricSpec(
         BUILD_INFO,

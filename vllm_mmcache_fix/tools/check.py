@@ -123,6 +123,8 @@ class CheckReport:
     """Every reason the plugin does not protect, in the order to fix them."""
     problems: list[str] = field(default_factory=list)
     """Other things worth fixing (bad settings, vllm-ascend filtered out)."""
+    sizing: dict[str, Any] | None = None
+    """The multimodal caches' memory at full against the limits (:mod:`.sizing`)."""
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -399,7 +401,15 @@ def _read_environment(report: CheckReport, env: dict[str, str]) -> list[str] | N
     return allowed
 
 
-def run_check(environ: dict[str, str] | None = None) -> CheckReport:
+def run_check(environ: dict[str, str] | None = None, serve_args: str | None = None) -> CheckReport:
+    from .sizing import sizing_report
+
+    report = _run_check(environ)
+    report.sizing = sizing_report(serve_args, report.vllm_version)
+    return report
+
+
+def _run_check(environ: dict[str, str] | None = None) -> CheckReport:
     env = dict(os.environ) if environ is None else environ
     from importlib.util import find_spec
 

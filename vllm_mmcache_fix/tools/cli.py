@@ -109,6 +109,10 @@ def _print_check(report: Any) -> None:
         print(f"remedy: {finding.remedy}")
     if not report.findings and report.remedy:
         print(f"remedy: {report.remedy}")
+    from .sizing import sizing_lines
+
+    for line in sizing_lines(report.sizing):
+        print(line)
     print(f"verdict: {report.verdict.value} (exit {report.exit_code}) - {report.summary}")
 
 
@@ -142,7 +146,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     # vLLM logs to stdout; keep stdout for the report (and valid --json).
     with contextlib.redirect_stdout(sys.stderr):
-        report = run_check()
+        report = run_check(serve_args=args.serve_args)
     if args.json:
         _print_json(exits.envelope("check", report.verdict.value, report.as_dict()))
     else:
@@ -322,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="would a vLLM server started from this environment be protected? (exit 0: protected)",
     )
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument(
+        "--serve-args",
+        metavar="CMDLINE",
+        help="the server's `vllm serve ...` command line: the multimodal caches' memory at "
+        "full against the container's limit and the host's RAM",
+    )
     check.set_defaults(func=cmd_check)
 
     status = sub.add_parser(
