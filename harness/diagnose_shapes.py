@@ -96,6 +96,7 @@ def run_diagnose(pid: int, *, py_spy: bool, interval: float = INTERVAL) -> dict[
             {
                 "pid": p["pid"],
                 "role": p["role"],
+                "kind": p.get("kind"),
                 "comm": p["comm"],
                 "classification": p["classification"],
                 "reason": p["reason"],
@@ -115,8 +116,9 @@ def run_diagnose(pid: int, *, py_spy: bool, interval: float = INTERVAL) -> dict[
 class Load:
     """``clients`` threads sending image requests until stopped."""
 
-    def __init__(self, base_url: str, clients: int = LOAD_CLIENTS) -> None:
+    def __init__(self, base_url: str, clients: int = LOAD_CLIENTS, first_item: int = 0) -> None:
         self.url = base_url + "/v1/chat/completions"
+        self.first_item = first_item
         self.stop_event = threading.Event()
         self.statuses: list[int | None] = []
         self.threads = [
@@ -126,7 +128,7 @@ class Load:
     def _client(self, index: int) -> None:
         n = 0
         while not self.stop_event.is_set():
-            png = make_png(10_000 * (index + 1) + n % 8)
+            png = make_png(self.first_item + 10_000 * (index + 1) + n % 8)
             reply = http_post(self.url, chat_payload("Describe it.", png, max_tokens=16), 120)
             self.statuses.append(reply.status)
             n += 1
