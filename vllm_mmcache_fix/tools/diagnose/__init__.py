@@ -23,7 +23,8 @@ Rules (thresholds are the module constants below):
   Workers' output while a step runs), and any thread whose py-spy stack is in that
   busy-wait. A thread spinning in the mm cache is never expected. What remains is the
   freeze's signature: a thread of EngineCore other than its busy loop (the input thread,
-  since vLLM 0.10.2), or of a process that is not vLLM's.
+  since vLLM 0.10.1; on 0.10.0 the busy loop itself spins, which only a stack tells), or
+  of a process that is not vLLM's.
 * A thread **spins** when, over the interval, it made at most
   ``max(1, SPIN_MAX_VOLUNTARY_PER_SEC * interval)`` voluntary context switches (it hardly
   waited for anything: a few a second come from handing the GIL to another Python

@@ -68,7 +68,8 @@ def stack_busy_waits(frames: Iterable[tuple[str, str]]) -> bool:
 
 def expected_spin(thread: ThreadReport, kind: str, pid: int) -> str | None:
     """Why a spinning thread of a process of ``kind`` is not the freeze, or None when it
-    counts. The freeze spins a thread of EngineCore (its input thread since vLLM 0.10.2)."""
+    counts. The freeze spins a thread of EngineCore: its input thread since vLLM 0.10.1, its
+    busy loop on 0.10.0 (there only a stack dump tells it from a busy engine)."""
     if thread.in_mm_cache:
         return None
     if thread.busy_wait:
