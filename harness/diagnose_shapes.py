@@ -40,6 +40,9 @@ DEFAULT_CASES = ("0.32.0/serve", "0.32.0/tp2", "0.32.0/dp2", "0.23.0/serve")
 HEALTHY = ("idle", "active")
 LOAD_CLIENTS = 4
 INTERVAL = 3.0
+STARTUP_TIMEOUT = 600.0
+"""Seconds a server may take to answer: DP=2 starts two engines, two Workers and two API
+servers on two cores (over 240 s on a busy machine)."""
 
 
 def _log(msg: str) -> None:
@@ -148,7 +151,11 @@ def run_case(version: str, shape_name: str) -> dict[str, Any]:
     shape = BY_NAME[shape_name]
     venv = complete_venv(version)
     spec = runner.ServerSpec(
-        venv, args=list(shape.args), env=shape.env_for(version), name=f"diagnose-{shape_name}"
+        venv,
+        args=list(shape.args),
+        env=shape.env_for(version),
+        name=f"diagnose-{shape_name}",
+        startup_timeout=STARTUP_TIMEOUT,
     )
     session = runner.Session(spec)
     out: dict[str, Any] = {
