@@ -52,6 +52,7 @@ which the proven code changed, and never lets a record fall further behind unnot
 A count of commits would measure how the work was cut into commits, not how long the
 code has gone unproven (one change merged as 15 small commits is one change)."""
 
+
 @dataclass(frozen=True)
 class Record:
     file: str

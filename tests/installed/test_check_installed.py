@@ -43,7 +43,8 @@ cases = json.loads(sys.argv[1])
 out = {}
 with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout
     for name, env in cases.items():
-        out[name] = run_check(env).as_dict()
+        strict = env.pop("__strict__", None) is not None
+        out[name] = run_check(env, strict=strict).as_dict()
 print(json.dumps(out))
 """
 
@@ -117,6 +118,10 @@ def test_verdicts_on_installed_build(
             "off": {"MMCACHE_FIX_MODE": "off"},
             "bogus": {"MMCACHE_FIX_MODE": "bogus", "MMCACHE_FIX_STALL_SECONDS": "-3"},
             "filtered_and_off": {"VLLM_PLUGINS": "", "MMCACHE_FIX_MODE": "off"},
+            "strict": {"__strict__": "1"},
+            "strict_fault_injection": {"__strict__": "1", "MMCACHE_FIX_FAIL_AT": "sentinel"},
+            "strict_bogus": {"__strict__": "1", "MMCACHE_FIX_STALL_SECONDS": "-3"},
+            "fault_injection": {"MMCACHE_FIX_FAIL_AT": "sentinel"},
         },
     )
     protected = got["default"]
@@ -135,6 +140,14 @@ def test_verdicts_on_installed_build(
     assert got["bogus"]["verdict"] == "protected"  # a bad value falls back to the default
     assert any("MMCACHE_FIX_MODE='bogus'" in p for p in got["bogus"]["problems"])
     assert any("MMCACHE_FIX_STALL_SECONDS='-3'" in p for p in got["bogus"]["problems"])
+    # check --strict: its own exit code where the environment protects but carries fault
+    # injection or a bad value; without --strict those are warnings (exit 0).
+    assert got["strict"]["verdict"] == "protected", got["strict"]
+    for name in ("strict_fault_injection", "strict_bogus"):
+        assert got[name]["verdict"] == "strict_failed", got[name]
+        assert exits.exit_code(got[name]["verdict"]) == exits.STRICT_FAILED.code
+    assert any("MMCACHE_FIX_FAIL_AT" in p for p in got["strict_fault_injection"]["strict_problems"])
+    assert got["fault_injection"]["verdict"] == "protected", got["fault_injection"]
     both = got["filtered_and_off"]
     assert [f["cause"] for f in both["findings"]] == ["filtered_by_vllm_plugins", "mode_off"]
     for report in (filtered, got["warn"], got["off"]):

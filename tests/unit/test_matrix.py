@@ -138,6 +138,7 @@ def test_a_family_model_failing_with_the_plugin_fails_the_release() -> None:
     status, reasons = matrix.evaluate({"with_plugin": phase})
     assert status == "fail" and any("qwen3-vl" in r for r in reasons)
 
+
 def _program_exit(monkeypatch, tmp_path, status: str, rotate: bool) -> int:  # type: ignore[no-untyped-def]
     """``scripts/matrix`` run to its exit status, with the release's run replaced by a
     record of ``status`` (the program's own bookkeeping around it is what is tested)."""

@@ -28,7 +28,14 @@ from typing import Any
 
 from .. import __version__
 from ..catalogue import release_coverage
-from ..core.settings import ENV_MODE, Mode, report_settings
+from ..core.settings import (
+    ENV_HEALTH_TIMEOUT,
+    ENV_MODE,
+    MIN_HEALTH_TIMEOUT,
+    Mode,
+    SettingReport,
+    report_settings,
+)
 from ..lru_eviction.probe import Exposure, probe
 from ..vllm_layout import (
     MM_CACHE_FACTORY,
@@ -37,6 +44,7 @@ from ..vllm_layout import (
     PLUGINS_MODULE_FILE,
     STRICT_PLUGIN_GROUPS,
 )
+from .redact import REDACTED, is_sensitive
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "mmcache_fix"
@@ -52,6 +60,9 @@ class Verdict(str, enum.Enum):
     INACTIVE = "inactive"
     NO_VLLM = "no_vllm"
     VLLM_IMPORT_FAILED = "vllm_import_failed"
+    STRICT_FAILED = "strict_failed"
+    """``check --strict`` only: protected, but with something a production image must not
+    carry (see ``CheckReport.strict_problems``)."""
 
 
 class Cause(str, enum.Enum):
@@ -125,6 +136,12 @@ class CheckReport:
     """Other things worth fixing (bad settings, vllm-ascend filtered out)."""
     sizing: dict[str, Any] | None = None
     """The multimodal caches' memory at full against the limits (:mod:`.sizing`)."""
+    strict_problems: list[str] = field(default_factory=list)
+    """The problems ``check --strict`` fails on: fault injection on, a bad or unknown
+    ``MMCACHE_FIX_*`` value, a ``VLLM_PLUGINS`` that leaves out other installed plugins.
+    Without ``--strict`` they are warnings."""
+    strict: bool = False
+    """Run with ``--strict``."""
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -232,11 +249,27 @@ def _report_plugins(report: CheckReport, allowed: list[str] | None) -> None:
     if ascend_out:
         keep = sorted({r["name"] for r in rows if r["vllm_ascend"]} | {ENTRY_POINT_NAME})
         names = ", ".join(f"{r['name']} ({r['group']})" for r in ascend_out)
-        report.problems.append(
+        problem = (
             f"VLLM_PLUGINS={report.vllm_plugins!r} filters out vllm-ascend's {names}: "
             "vLLM silently skips them (and with the general ones vllm-ascend's patches); "
             f"use VLLM_PLUGINS={','.join(keep)}"
         )
+        report.problems.append(problem)
+        report.strict_problems.append(problem)
+    others = [
+        r
+        for r in report.filtered_out
+        if not r["vllm_ascend"]
+        and not (r["name"] == ENTRY_POINT_NAME and r["group"] == ENTRY_POINT_GROUP)
+    ]
+    if others:
+        names = ", ".join(f"{r['name']} ({r['group']}, {r['distribution']})" for r in others)
+        problem = (
+            f"VLLM_PLUGINS={report.vllm_plugins!r} leaves out installed plugin(s) {names}: "
+            "vLLM silently skips them; list them in VLLM_PLUGINS if the server needs them"
+        )
+        report.problems.append(problem)
+        report.strict_problems.append(problem)
 
 
 def _entry_point_found() -> bool:
@@ -369,13 +402,32 @@ def _import_vllm(report: CheckReport) -> Any:
     return vllm
 
 
+def _setting_row(row: SettingReport) -> dict[str, Any]:
+    """A setting as reported, its value hidden when its name says it is a secret."""
+    data = asdict(row)
+    if is_sensitive(row.name):
+        for key in ("raw", "effective"):
+            if data[key] not in (None, ""):
+                data[key] = REDACTED
+    data["values"] = _values_text(row)
+    return data
+
+
+def _values_text(row: SettingReport) -> str:
+    """What a setting accepts; the health timeout's floor from its definition."""
+    if row.name == ENV_HEALTH_TIMEOUT:
+        return f"0 (off) or seconds >= {MIN_HEALTH_TIMEOUT:g}"
+    return row.values
+
+
 def _read_environment(report: CheckReport, env: dict[str, str]) -> list[str] | None:
     """Settings, plugin metadata and ``VLLM_PLUGINS``: no vLLM import needed."""
     rows = report_settings(env)
-    report.settings = [asdict(row) for row in rows]
+    report.settings = [_setting_row(row) for row in rows]
     for row in rows:
         if row.problem:
             report.problems.append(row.problem)
+            report.strict_problems.append(row.problem)
     report.mode = str(next(r.effective for r in rows if r.name == ENV_MODE))
     report.vllm_ascend_version = _dist_version("vllm-ascend", "vllm_ascend")
     report.vllm_plugins = env.get("VLLM_PLUGINS")
@@ -401,11 +453,29 @@ def _read_environment(report: CheckReport, env: dict[str, str]) -> list[str] | N
     return allowed
 
 
-def run_check(environ: dict[str, str] | None = None, serve_args: str | None = None) -> CheckReport:
+def run_check(
+    environ: dict[str, str] | None = None,
+    serve_args: str | None = None,
+    *,
+    strict: bool = False,
+) -> CheckReport:
+    """The check; with ``serve_args`` also the caches' memory at full (:mod:`.sizing`); with
+    ``strict`` a protected environment with any of ``strict_problems`` is ``strict_failed``
+    (its own exit code)."""
     from .sizing import sizing_report
 
     report = _run_check(environ)
     report.sizing = sizing_report(serve_args, report.vllm_version)
+    report.strict = strict
+    protected = (Verdict.PROTECTED, Verdict.PROTECTED_SOURCE_PATCH)
+    if strict and report.verdict in protected and report.strict_problems:
+        report.summary = (
+            f"{len(report.strict_problems)} problem(s) --strict fails on: "
+            + "; ".join(report.strict_problems)
+            + f" (without them: {report.verdict.value}: {report.summary})"
+        )
+        report.verdict = Verdict.STRICT_FAILED
+        report.remedy = report.remedy or "fix the problems listed, then run the check again"
     return report
 
 

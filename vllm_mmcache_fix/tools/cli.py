@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,12 +24,39 @@ from typing import Any, NoReturn
 from .. import __version__
 from ..core.messages import PREFIX
 from . import exits
+from .diagnose.rules import MIN_INTERVAL
+from .redact import redact_data, redact_text
 
 COMMANDS = ("check", "status", "diagnose", "patch")
 
 
 def _print_json(data: dict[str, Any]) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    print(json.dumps(redact_data(data), indent=2, sort_keys=True, default=str))
+
+
+class _RedactingStream:
+    """stdout or stderr with secrets taken out of every line (tools/redact.py): whatever a
+    command prints, a report is safe to attach to a ticket."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self._target.write(redact_text(lines + "\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._target.write(redact_text(self._pending))
+            self._pending = ""
+        self._target.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
 def _error(command: str, message: str, as_json: bool, **extra: Any) -> int:
@@ -102,8 +130,10 @@ def _print_check(report: Any) -> None:
         )
     for line in report.vllm_import_traceback:
         print(f"  | {line}")
+    strict = set(report.strict_problems)
     for problem in report.problems:
-        print(f"problem: {problem}")
+        tag = "problem" if report.strict or problem not in strict else "warning"
+        print(f"{tag}: {problem}")
     for finding in report.findings:
         print(f"cause: {finding.cause.value}: {finding.detail}")
         print(f"remedy: {finding.remedy}")
@@ -146,7 +176,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     # vLLM logs to stdout; keep stdout for the report (and valid --json).
     with contextlib.redirect_stdout(sys.stderr):
-        report = run_check(serve_args=args.serve_args)
+        report = run_check(serve_args=args.serve_args, strict=args.strict)
     if args.json:
         _print_json(exits.envelope("check", report.verdict.value, report.as_dict()))
     else:
@@ -292,6 +322,52 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return diagnose.exit_code(result)
 
 
+# --------------------------------------------------------------------------- argument types
+
+
+def _seconds(minimum: float, maximum: float | None = None) -> Any:
+    """An argparse type: a finite number of seconds > ``minimum`` (>= when ``minimum`` is
+    above 0), at most ``maximum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds")
+        if value <= 0 or value < minimum:
+            floor = f"at least {minimum:g}" if minimum > 0 else "more than 0"
+            raise argparse.ArgumentTypeError(f"{text!r}: give {floor} seconds")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at most {maximum:g} seconds")
+        return value
+
+    return parse
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a process ID") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a process ID is a number from 1 up")
+    return value
+
+
+def _url(text: str) -> str:
+    from .status import normalize_url
+
+    try:
+        return normalize_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+MAX_INTERVAL_S = 600.0
+"""The longest ``diagnose --interval``: a diagnosis is taken while the server is frozen."""
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -325,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="would a vLLM server started from this environment be protected? (exit 0: protected)",
     )
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail (exit 17, strict_failed) on what is otherwise a warning: fault "
+        "injection on (MMCACHE_FIX_FAIL_AT), a bad or unknown MMCACHE_FIX_* value, a "
+        "VLLM_PLUGINS that leaves out other installed plugins; for image builds to gate on",
+    )
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.add_argument(
         "--serve-args",
@@ -338,13 +421,21 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="is a running server protected, and is it stuck? (reads its /metrics)",
     )
-    status.add_argument("--url", required=True, help="the server's base URL, e.g. http://host:8000")
     status.add_argument(
-        "--timeout", type=float, default=15.0, help="seconds per HTTP request (default 15)"
+        "--url",
+        required=True,
+        type=_url,
+        help="the server's base URL, e.g. http://host:8000 (host:port means http://host:port)",
+    )
+    status.add_argument(
+        "--timeout",
+        type=_seconds(0.0),
+        default=15.0,
+        help="seconds per HTTP request, more than 0 (default 15)",
     )
     status.add_argument(
         "--stuck-after",
-        type=float,
+        type=_seconds(0.0),
         default=30.0,
         help="an engine whose last answer is older than this many seconds is stuck "
         "(read where the server exports its age; default 30)",
@@ -353,8 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     diag = sub.add_parser("diagnose", help="is a live vLLM process frozen? (reads /proc)")
-    diag.add_argument("--pid", type=int, required=True, help="API server or EngineCore PID")
-    diag.add_argument("--interval", type=float, default=2.0, help="sampling seconds")
+    diag.add_argument("--pid", type=_pid, required=True, help="API server or EngineCore PID")
+    diag.add_argument(
+        "--interval",
+        type=_seconds(MIN_INTERVAL, MAX_INTERVAL_S),
+        default=2.0,
+        help=f"sampling seconds, {MIN_INTERVAL:g} to {MAX_INTERVAL_S:g} (default 2)",
+    )
     diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dumps")
     diag.add_argument("--json", action="store_true", help="machine-readable output")
     diag.set_defaults(func=cmd_diagnose)
@@ -375,16 +471,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _Parser.json_requested = "--json" in argv
     _Parser.command = next((a for a in argv if a in COMMANDS), "")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(out), _RedactingStream(err)
     try:
-        return int(args.func(args))
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # a bug in the tool: still one answer, still the table's code
-        return _error(
-            args.command, f"{type(exc).__name__}: {exc}", bool(getattr(args, "json", False))
-        )
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # a bug in the tool: still one answer, still the table's code
+            return _error(
+                args.command, f"{type(exc).__name__}: {exc}", bool(getattr(args, "json", False))
+            )
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        sys.stdout, sys.stderr = out, err
 
 
 if __name__ == "__main__":

@@ -83,11 +83,15 @@ SPINNING_IN_MM_CACHE = Code(
 SPINNING = Code(
     12,
     "spinning",
-    "a thread spins without blocking, stack not checked (the freeze's signature)",
+    "an EngineCore thread (not its busy loop) spins without blocking, stack not checked: "
+    "the freeze's signature (a Worker's or API server's busy thread is not)",
     ("diagnose",),
 )
 SPINNING_ELSEWHERE = Code(
-    13, "spinning_elsewhere", "a thread spins, not in the multimodal cache", ("diagnose",)
+    13,
+    "spinning_elsewhere",
+    "an EngineCore thread spins, its stack not in the multimodal cache nor in vLLM's busy-waits",
+    ("diagnose",),
 )
 BLOCKED = Code(
     14, "blocked", "threads stopped or in uninterruptible sleep all the time", ("diagnose",)
@@ -99,6 +103,15 @@ ENGINE_INPUT_THREAD_GONE = Code(
     "EngineCore is idle because its input thread has died (vLLM 0.13 and older after a "
     "failed request): it will never read another request",
     ("diagnose",),
+)
+
+STRICT_FAILED = Code(
+    17,
+    "strict_failed",
+    "`check --strict`: protected, but fault injection is on (`MMCACHE_FIX_FAIL_AT`), an "
+    "`MMCACHE_FIX_*` value is bad or unknown, or `VLLM_PLUGINS` leaves out other installed "
+    "plugins (without --strict: warnings, exit 0)",
+    ("check",),
 )
 
 CODES: tuple[Code, ...] = (
@@ -119,6 +132,7 @@ CODES: tuple[Code, ...] = (
     BLOCKED,
     EXITED,
     ENGINE_INPUT_THREAD_GONE,
+    STRICT_FAILED,
 )
 
 VERDICTS: dict[str, Code] = {
@@ -129,6 +143,7 @@ VERDICTS: dict[str, Code] = {
     "inactive": INACTIVE,
     "no_vllm": NO_VLLM,
     "vllm_import_failed": VLLM_IMPORT_FAILED,
+    "strict_failed": STRICT_FAILED,
     # patch
     "applied": OK,
     "reverted": OK,

@@ -5,18 +5,20 @@ Reads the server's own ``/metrics`` (the plugin's series, ``metrics/names.py``),
 
 - ``unreachable``: ``/metrics`` could not be read;
 - ``stuck``: an EngineCore does not answer. The evidence, any one of: ``/health`` answered
-  503 or did not answer in ``timeout`` seconds while ``/metrics`` did; the plugin's
-  ``mmcache_fix_engine_round_trips_failed_total`` rose for an engine between the two reads
-  (its ``/health`` round trip timed out); ``mmcache_fix_engine_last_answer_age_seconds``,
-  where the server has it, above ``stuck_after`` seconds and still growing;
+  503 (the plugin's verdict from its heartbeat: it never waits on EngineCore) or did not
+  answer in ``timeout`` seconds while ``/metrics`` did; the plugin's
+  ``mmcache_fix_engine_round_trips_failed_total`` rose for an engine between the two reads;
+  ``mmcache_fix_engine_last_answer_age_seconds``, where the server has it, above
+  ``stuck_after`` seconds and still growing;
 - ``unprotected``: no ``mmcache_fix_*`` series at all: the API server did not load the
   plugin (not installed, left out by ``VLLM_PLUGINS``, ``MMCACHE_FIX_MODE=off``);
 - ``inactive``: the plugin is loaded but no process is protected (``MMCACHE_FIX_MODE=warn``)
   or EngineCore reports itself unprotected;
 - ``protected``: otherwise.
 
-A busy server is not stuck: a long step delays the round trip but does not fail it. Reads
-only; nothing on the server changes (``/health`` is what load balancers call anyway).
+A busy server is not stuck: a long step delays no answer (EngineCore's input thread answers
+the plugin's heartbeat whatever the busy loop does). Reads only; nothing on the server
+changes (``/health`` is what load balancers call anyway).
 Imports neither vLLM nor anything the wheel does not ship: it runs from a debug container.
 """
 
@@ -26,6 +28,7 @@ import enum
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +37,9 @@ from ..metrics import names as n
 from . import exits
 
 DEFAULT_TIMEOUT_S = 15.0
-"""Per request; above the plugin's default engine timeout (10 s), so a ``/health`` that
-waits for a stuck engine answers 503 before this gives up."""
+"""Per request. ``/metrics`` and ``/health`` answer at once, a stuck engine or not (the
+plugin's ``/health`` reads its heartbeat's verdict and never waits on EngineCore), so this
+only bounds an API server that does not answer at all."""
 DEFAULT_STUCK_AFTER_S = 30.0
 """An engine whose last answer is older than this (and getting older) is stuck."""
 SETTLE_S = 1.5
@@ -171,6 +175,26 @@ def _total(samples: Samples, name: str) -> float:
 # --------------------------------------------------------------------------- the verdict
 
 
+def normalize_url(url: str) -> str:
+    """``host:port`` -> ``http://host:port``; ValueError for a URL this command cannot read
+    (another scheme, no host)."""
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{url!r}: only http:// and https:// URLs, e.g. http://HOST:8000")
+    if not parsed.hostname:
+        raise ValueError(
+            f"{url!r} names no host; give the server's base URL, e.g. http://HOST:8000"
+        )
+    try:
+        parsed.port  # noqa: B018 - raises for a port that is not a number
+    except ValueError:
+        raise ValueError(f"{url!r} has no valid port; e.g. http://HOST:8000") from None
+    return text.rstrip("/")
+
+
 def read_status(
     url: str,
     *,
@@ -178,7 +202,7 @@ def read_status(
     stuck_after: float = DEFAULT_STUCK_AFTER_S,
     settle: float = SETTLE_S,
 ) -> StatusReport:
-    base = url.rstrip("/")
+    base = normalize_url(url)
     code, body, error = _get(base + "/metrics", timeout)
     if code != 200:
         why = error or f"HTTP {code}"
@@ -265,7 +289,7 @@ def decide(
         report.summary = "an EngineCore does not answer: " + "; ".join(report.evidence)
         report.remedy = (
             "restart the server; before that, `vllm-mmcache-fix diagnose --pid <PID>` on its "
-            "host keeps the evidence (README: A server is frozen now)"
+            "host keeps the evidence (README: A server is frozen right now)"
         )
         return report
     if not after:

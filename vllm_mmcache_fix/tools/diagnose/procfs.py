@@ -14,7 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.procfs import StatFields, parse_schedstat, parse_stat, parse_switches
-from .rules import _ENGINE_CORE_COMM, _SYSCALL_NAMES, ENGINE_CORE_MARKER, DiagnoseError
+from ..redact import redact_argv
+from .rules import (
+    _API_SERVER_COMMAND,
+    _ENGINE_CORE_COMM,
+    _SYSCALL_NAMES,
+    ENGINE_CORE_MARKER,
+    KIND_API_SERVER,
+    KIND_ENGINE_CORE,
+    KIND_OTHER,
+    TITLE_PREFIXES,
+    DiagnoseError,
+)
 
 # --------------------------------------------------------------------------- /proc reading
 
@@ -73,6 +84,13 @@ def _runnable_ns(text: str | None) -> int | None:
     return parse_schedstat(text or "")
 
 
+def _on_cpu_ns(text: str | None) -> int | None:
+    """Nanoseconds on a CPU (the first field of ``schedstat``); the second is the time spent
+    waiting for one."""
+    fields = (text or "").split()
+    return int(fields[0]) if fields and fields[0].isdigit() else None
+
+
 def _syscall_name(text: str | None) -> str | None:
     if text is None:
         return None
@@ -100,6 +118,8 @@ class _ThreadSample:
     wchan: str | None = None
     runnable_ns: int | None = None
     """Time on a CPU plus time waiting for one, from schedstat."""
+    on_cpu_ns: int | None = None
+    """Time on a CPU, from schedstat."""
 
 
 @dataclass
@@ -137,7 +157,9 @@ def _sample_process(proc: Path, pid: int, *, full: bool) -> _ProcessSample:
                 sample.syscall = _syscall_name(_read(base / "syscall", optional=True))
                 wchan = _read(base / "wchan", optional=True)
                 sample.wchan = wchan.strip() if wchan else None
-                sample.runnable_ns = _runnable_ns(_read(base / "schedstat", optional=True))
+                schedstat = _read(base / "schedstat", optional=True)
+                sample.runnable_ns = _runnable_ns(schedstat)
+                sample.on_cpu_ns = _on_cpu_ns(schedstat)
         except _Gone:
             continue  # the thread ended while being read
         threads[tid] = sample
@@ -186,10 +208,26 @@ def process_tree(pid: int, *, proc_root: str | os.PathLike[str] = "/proc") -> li
 
 
 def _cmdline(proc: Path, pid: int) -> str:
+    """The command line, secrets redacted argument by argument (tools/redact.py)."""
     text = _read(proc / str(pid) / "cmdline", optional=True) or ""
-    return " ".join(part for part in text.split("\0") if part)
+    return " ".join(redact_argv([part for part in text.split("\0") if part]))
 
 
 def is_engine_core(comm: str, cmdline: str) -> bool:
     """vLLM titles its engine processes ``VLLM::EngineCore`` or ``..._DP<n>``."""
     return ENGINE_CORE_MARKER in cmdline or bool(_ENGINE_CORE_COMM.search(comm))
+
+
+def process_kind(comm: str, cmdline: str) -> str:
+    """Which of vLLM's processes this is, from the title vLLM gives it (``VLLM::Worker_TP0``,
+    ``VLLM::APIServer_1``, ``VLLM::DPCoordinator``) or its command line (``vllm serve``):
+    one of :data:`~.rules.PROCESS_KINDS`, ``other`` when none."""
+    if is_engine_core(comm, cmdline):
+        return KIND_ENGINE_CORE
+    title = cmdline.split(" ", 1)[0] if cmdline else comm
+    for kind, prefix in TITLE_PREFIXES.items():
+        if title.startswith(prefix) or comm.startswith(prefix[:15]):
+            return kind
+    if _API_SERVER_COMMAND.search(cmdline):
+        return KIND_API_SERVER
+    return KIND_OTHER

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .classify import input_thread_gone, stack_in_mm_cache
+from .classify import input_thread_gone, stack_busy_waits, stack_in_mm_cache
 from .results import StackCheck, ThreadReport
 from .rules import PY_SPY_BUDGET, PY_SPY_MAX_DUMPS, PY_SPY_TIMEOUT
 
@@ -144,7 +144,8 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
                 continue
             report.stack = dumped.lines()
             report.in_mm_cache = stack_in_mm_cache((f, p) for f, p, _ in dumped.frames)
-            if report.in_mm_cache:
+            report.busy_wait = stack_busy_waits((f, p) for f, p, _ in dumped.frames)
+            if report.in_mm_cache or (report.busy_wait and not report.in_mm_cache):
                 del pending[tid]
         if not pending:
             break
@@ -152,6 +153,8 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
         for report in hot:
             if report.in_mm_cache is None:
                 report.in_mm_cache = False
+            if report.busy_wait is None:
+                report.busy_wait = False
     return check
 
 

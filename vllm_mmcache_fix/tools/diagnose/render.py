@@ -33,6 +33,8 @@ LEGEND = (
     "Legend:",
     "  SPIN     the thread used a core (or waited for one) the whole interval and hardly ever",
     "           blocked: the signature of a busy loop",
+    "  BUSY     the same numbers where vLLM runs busy on purpose (a Worker's busy-wait, the",
+    "           engine's busy loop at work, an API server serving): not the freeze",
     "  BLOCKED  the thread was stopped (T, t) or in uninterruptible sleep (D) all along",
     "  cpu      share of one core it used; runnable: share of the time it ran or waited for a CPU",
     "  vol      voluntary context switches (it waited for I/O, a lock, a queue); nonvol:",
@@ -51,7 +53,9 @@ def _render_process(report: ProcessReport) -> list[str]:
     if len(command) > _MAX_COMMAND_SHOWN:
         command = command[: _MAX_COMMAND_SHOWN - 3] + "..."
     lines = [
-        f"PID {report.pid} ({report.role}, parent {report.ppid}): "
+        f"PID {report.pid} ({report.role}"
+        + (f", {report.kind}" if report.kind not in ("other", report.role) else "")
+        + f", parent {report.ppid}): "
         f"{report.classification.value}: {report.reason}",
         f"  command: {command}",
     ]
@@ -65,7 +69,8 @@ def _render_process(report: ProcessReport) -> list[str]:
     rest = [t for t in report.threads if not (t.spinning or t.blocked)]
     shown = flagged + rest[: max(0, _MAX_THREADS_SHOWN - len(flagged))]
     for t in shown:
-        mark = "SPIN" if t.spinning else ("BLOCKED" if t.blocked else "")
+        mark = ("BUSY" if t.expected else "SPIN") if t.spinning else ""
+        mark = mark or ("BLOCKED" if t.blocked else "")
         lines.append(
             f"  {mark:7} TID {t.tid:<7} {t.label[:24]:24} cpu {t.cpu_fraction:4.0%} "
             f"runnable {_percent(t.runnable_fraction):>4} "
@@ -77,7 +82,13 @@ def _render_process(report: ProcessReport) -> list[str]:
         lines.append(f"          (+{len(report.threads) - len(shown)} less busy thread(s))")
     for t in flagged:
         if t.stack:
-            verdict = "in the mm cache eviction loop" if t.in_mm_cache else "elsewhere"
+            verdict = (
+                "in the mm cache eviction loop"
+                if t.in_mm_cache
+                else "vLLM's shared-memory busy-wait"
+                if t.busy_wait
+                else "elsewhere"
+            )
             lines.append(f"  stack of TID {t.tid} ({verdict}), innermost first:")
             lines.extend(f"    {frame}" for frame in t.stack)
     check = report.stack_check

@@ -12,6 +12,7 @@ from .rules import (
     IDLE_MAX_CPU_FRACTION,
     SPIN_MAX_VOLUNTARY_PER_SEC,
     SPIN_MIN_CPU_FRACTION,
+    SPIN_MIN_FAIR_SHARE,
     SPIN_MIN_RUNNABLE_FRACTION,
     Classification,
 )
@@ -47,6 +48,15 @@ class ThreadReport:
     """Frames, innermost first, from py-spy (spinning threads only)."""
     in_mm_cache: bool | None = None
     """The stack is in the mm cache eviction loop; None when not checked."""
+    on_cpu_share: float | None = None
+    """Of the time it was runnable, the share it was on a CPU (schedstat); None when unknown.
+    Low means starved: it waited for a CPU far longer than it ran."""
+    busy_wait: bool | None = None
+    """The stack polls vLLM's shared-memory message queue (a Worker waiting for its next
+    step, EngineCore for its Workers); None when not checked."""
+    expected: str | None = None
+    """Why a spinning thread is not the freeze (a Worker's busy-wait, EngineCore's busy
+    loop at work, ...); None for a thread that counts."""
 
     @property
     def label(self) -> str:
@@ -72,6 +82,9 @@ class ThreadReport:
             "new": self.new,
             "stack": self.stack,
             "in_mm_cache": self.in_mm_cache,
+            "on_cpu_share": None if self.on_cpu_share is None else round(self.on_cpu_share, 3),
+            "busy_wait": self.busy_wait,
+            "expected": self.expected,
         }
 
 
@@ -110,6 +123,9 @@ class ProcessReport:
     stack_check: StackCheck | None = None
     input_thread_gone: bool | None = None
     """EngineCore only: its input thread is gone (True), there (False), not checked (None)."""
+    kind: str = "other"
+    """Which of vLLM's processes: ``EngineCore``, ``Worker``, ``APIServer``,
+    ``DPCoordinator`` or ``other`` (rules.PROCESS_KINDS)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +133,7 @@ class ProcessReport:
             "input_thread_gone": self.input_thread_gone,
             "ppid": self.ppid,
             "role": self.role,
+            "kind": self.kind,
             "comm": self.comm,
             "cmdline": self.cmdline,
             "classification": self.classification.value,
@@ -141,6 +158,8 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     left_out: list[int] = field(default_factory=list)
     """Descendants of the PID that are this diagnosis itself or the shell that started it."""
+    fair_share: float | None = None
+    """The share of a CPU a thread that always wants one got on this machine meanwhile."""
 
     @property
     def exit_code(self) -> int:
@@ -158,10 +177,12 @@ class Diagnosis:
                 "py_spy": self.py_spy,
                 "notes": list(self.notes),
                 "left_out": list(self.left_out),
+                "fair_share": None if self.fair_share is None else round(self.fair_share, 3),
                 "thresholds": {
                     "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
                     "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
                     "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
+                    "spin_min_fair_share": SPIN_MIN_FAIR_SHARE,
                     "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
                     "blocked_states": "".join(sorted(BLOCKED_STATES)),
                 },

@@ -92,6 +92,43 @@ OUTPUT_THREAD_FUNCTION = ENGINE_OUTPUT_THREAD
 # /proc/<pid>/comm holds 15 characters: "VLLM::EngineCor".
 _ENGINE_CORE_COMM = re.compile(re.escape(ENGINE_CORE_PROCESS[:9]))
 
+KIND_ENGINE_CORE = "EngineCore"
+KIND_WORKER = "Worker"
+KIND_API_SERVER = "APIServer"
+KIND_DP_COORDINATOR = "DPCoordinator"
+KIND_OTHER = "other"
+PROCESS_KINDS = (KIND_ENGINE_CORE, KIND_WORKER, KIND_API_SERVER, KIND_DP_COORDINATOR, KIND_OTHER)
+"""What a process of the tree is. The freeze is EngineCore's: a Worker, an API server or
+the DP coordinator burning a core is not it (a Worker busy-waits for its next step)."""
+
+TITLE_PREFIXES = {
+    KIND_WORKER: "VLLM::Worker",
+    KIND_API_SERVER: "VLLM::APIServer",
+    KIND_DP_COORDINATOR: "VLLM::DPCoordinator",
+}
+"""vLLM's process titles (``set_process_title``; ``VLLM`` is ``VLLM_PROCESS_NAME_PREFIX``)."""
+
+_API_SERVER_COMMAND = re.compile(
+    r"(?:^|[\s/])vllm(?:\s+serve\b|\.entrypoints\.(?:cli\.main\s+serve|openai\.api_server))"
+)
+"""The single API server keeps its command line: ``vllm serve``,
+``python -m vllm.entrypoints.cli.main serve``, ``python -m vllm.entrypoints.openai.api_server``."""
+
+BUSY_WAIT_FRAMES = frozenset({"acquire_read", "spinloop", "dequeue", "worker_busy_loop"})
+BUSY_WAIT_FILE_MARKERS = ("shm_broadcast", "multiproc_executor")
+"""A stack with one of these functions in one of these files busy-waits on vLLM's
+shared-memory message queue (``MessageQueue.acquire_read`` <- ``dequeue`` <-
+``worker_busy_loop``): a Worker waiting for its next step, or EngineCore for its
+Workers' output. It polls without blocking by design."""
+
+SPIN_MIN_FAIR_SHARE = 0.5
+"""...and, when only the runnable form holds, was on a CPU for at least this part of its
+fair share of the time it was runnable: ``schedstat``'s time on a CPU over time on a CPU
+plus time queued, against (CPUs / runnable threads of the machine, ``procs_running`` of
+``/proc/stat``, sampled). A spinning thread on a loaded machine gets its fair share; a
+thread that is runnable but gets far less (it polls with ``sched_yield``, as a busy-wait
+does, or is starved) is not spinning."""
+
 REMEDIES: dict[Classification, str] = {
     C.SPINNING_IN_MM_CACHE: (
         "This is the multimodal processor cache eviction hang; the process cannot recover. "

@@ -13,10 +13,12 @@ from .procfs import (
     _cmdline,
     _Gone,
     _ProcessSample,
+    _read,
     _read_stat,
     _sample_process,
     _ThreadSample,
     is_engine_core,
+    process_kind,
     process_tree,
 )
 from .pyspy import check_engine_threads, check_stacks, find_py_spy
@@ -50,9 +52,14 @@ def diagnose(
 
     first, left_out = _first_samples(proc, pid, _own_processes(proc, pid))
     started = min(sample.time for sample, _ in first.values())
-    states = _watch_states(proc, first, started + interval)
+    running: list[int] = []
+    states = _watch_states(proc, first, started + interval, running)
+    fair = fair_share(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        running,
+    )
     reports = [
-        _process_report(proc, member, before, meta, states, pid)
+        _process_report(proc, member, before, meta, states, pid, fair)
         for member, (before, meta) in first.items()
     ]
     wall = time.monotonic() - started
@@ -62,7 +69,12 @@ def diagnose(
         if report.classification is not C.EXITED:
             checked = report.stack_check is not None and report.stack_check.status == "checked"
             report.classification, report.reason = classify_process(
-                report.threads, report.cpu_fraction, checked, bool(report.input_thread_gone)
+                report.threads,
+                report.cpu_fraction,
+                checked,
+                bool(report.input_thread_gone),
+                kind=report.kind,
+                pid=report.pid,
             )
 
     notes = [
@@ -88,6 +100,7 @@ def diagnose(
         processes=reports,
         notes=notes,
         left_out=sorted(left_out),
+        fair_share=fair,
     )
 
 
@@ -157,10 +170,36 @@ def _descends_from(proc: Path, pid: int, ancestors: set[int], stop: int) -> bool
     return False
 
 
+def fair_share(cpus: int, procs_running: Sequence[int]) -> float | None:
+    """The share of a CPU a thread that always wants one gets, from the machine's count of
+    runnable threads (``procs_running`` of ``/proc/stat``, sampled): ``cpus`` over the mean
+    count, at most 1; None without samples."""
+    if not procs_running:
+        return None
+    mean = sum(procs_running) / len(procs_running)
+    return min(1.0, max(1, cpus) / max(1.0, mean))
+
+
+def _procs_running(proc: Path) -> int | None:
+    try:
+        text = _read(proc / "stat", optional=True)
+    except _Gone:
+        return None
+    for line in (text or "").splitlines():
+        if line.startswith("procs_running "):
+            value = line.split()[1]
+            return int(value) if value.isdigit() else None
+    return None
+
+
 def _watch_states(
-    proc: Path, first: dict[int, tuple[_ProcessSample, _Meta]], end_at: float
+    proc: Path,
+    first: dict[int, tuple[_ProcessSample, _Meta]],
+    end_at: float,
+    running: list[int] | None = None,
 ) -> dict[tuple[int, int], list[str]]:
-    """State letters of every thread, sampled until ``end_at`` (the first sample included)."""
+    """State letters of every thread, sampled until ``end_at`` (the first sample included);
+    the machine's runnable thread count (``procs_running``) is appended to ``running``."""
     states: dict[tuple[int, int], list[str]] = {}
     for member, (sample, _) in first.items():
         for tid, thread in sample.threads.items():
@@ -172,6 +211,9 @@ def _watch_states(
         time.sleep(min(STATE_SAMPLE_PERIOD, remaining))
         if time.monotonic() >= end_at:
             return states
+        count = _procs_running(proc)
+        if running is not None and count is not None:
+            running.append(count)
         for member, (sample, _) in first.items():
             try:
                 now = _sample_process(proc, member, full=False)
@@ -189,12 +231,14 @@ def _process_report(
     meta: _Meta,
     states: dict[tuple[int, int], list[str]],
     target: int,
+    fair: float | None = None,
 ) -> ProcessReport:
     if is_engine_core(meta.comm, meta.cmdline):
         role = "EngineCore"
     else:
         role = "target" if member == target else "descendant"
     report = ProcessReport(member, meta.ppid, role, meta.comm, meta.cmdline, C.EXITED, "", 0.0)
+    report.kind = process_kind(meta.comm, meta.cmdline)
     try:
         after = _sample_process(proc, member, full=True)
         end_state = _read_stat(proc / str(member) / "stat").state
@@ -210,7 +254,9 @@ def _process_report(
     seconds = max(after.time - before.time, 1e-6)
     tick = float(os.sysconf("SC_CLK_TCK"))
     threads = [
-        _thread_report(before.threads.get(tid), end, states.get((member, tid), []), seconds, tick)
+        _thread_report(
+            before.threads.get(tid), end, states.get((member, tid), []), seconds, tick, fair
+        )
         for tid, end in after.threads.items()
     ]
     report.threads = sorted(threads, key=lambda t: (-t.cpu_seconds, t.tid))
@@ -225,6 +271,7 @@ def _thread_report(
     seen: list[str],
     seconds: float,
     tick: float,
+    fair: float | None = None,
 ) -> ThreadReport:
     seen = seen + [end.state]
     cpu = (end.ticks - (start.ticks if start else 0)) / tick
@@ -237,6 +284,17 @@ def _thread_report(
         if len(seen) >= 2:
             estimates.append(seen.count("R") / len(seen))
     runnable = min(1.0, max(estimates)) if estimates else None
+    share = None
+    if start is not None and None not in (
+        start.runnable_ns,
+        end.runnable_ns,
+        start.on_cpu_ns,
+        end.on_cpu_ns,
+    ):
+        queued_and_run = (end.runnable_ns or 0) - (start.runnable_ns or 0)
+        run = (end.on_cpu_ns or 0) - (start.on_cpu_ns or 0)
+        if queued_and_run > 0:
+            share = min(1.0, max(0.0, run / queued_and_run))
     thread = ThreadReport(
         tid=end.tid,
         name=end.comm,
@@ -250,10 +308,11 @@ def _thread_report(
         syscall=end.syscall,
         wchan=end.wchan,
         new=start is None,
+        on_cpu_share=share,
     )
     if start is not None:
         thread.spinning = thread_is_spinning(
-            thread.cpu_fraction, runnable, thread.voluntary_switches, seconds
+            thread.cpu_fraction, runnable, thread.voluntary_switches, seconds, share, fair
         )
         thread.blocked = thread_is_blocked(thread.states)
     return thread

@@ -32,7 +32,14 @@ from .. import exits
 from .diff import apply_unified_diff
 from .index import PatchEntry, PatchIndex, load_index
 from .outcome import INDEX_NAME, PatchError, State, Verdict
-from .tree import find_vllm_root, is_final_release, read_vllm_version, release_of, sha256_file
+from .tree import (
+    find_vllm_root,
+    is_final_release,
+    read_vllm_version,
+    reinstall_advice,
+    release_of,
+    sha256_file,
+)
 
 LOCK_TIMEOUT_S = 120.0
 """How long a run waits for another run on the same tree before giving up."""
@@ -153,8 +160,8 @@ def _resolve(
                 "of this patch or edited after patching"
             )
         base.details.append(
-            f"next step: put the released file back with `pip install --force-reinstall "
-            f"--no-deps vllm=={release}` (the same build you run), then run "
+            f"next step: put the released file back with "
+            f"{reinstall_advice(root, version, release)}, then run "
             f"`vllm-mmcache-fix patch apply` again; or {PLUGIN_NOTE}"
         )
         return base

