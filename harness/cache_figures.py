@@ -132,10 +132,21 @@ def measure(version: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="+", default=["0.23.0", "0.32.0"])
+    parser.add_argument(
+        "--again", action="store_true", help="measure releases already measured on this commit"
+    )
     args = parser.parse_args(argv)
+    from harness.matrix import plugin_commit
+
+    commit = plugin_commit()
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for version in args.versions:
+        if not args.again and data.get(version, {}).get("plugin_commit") == commit:
+            print(f"{version}: measured on {commit[:10]} already (--again to repeat)")
+            continue
         data[version] = measure(version)
+        data[version]["plugin_commit"] = commit
+        data[version]["date"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         print(json.dumps(data[version], indent=2))
     return 0
