@@ -213,3 +213,58 @@ def test_the_command_line(server: Server, exporter) -> None:
         check=False,
     )
     assert text.stdout.splitlines()[-1].startswith("verdict: protected (exit 0)"), text.stdout
+
+
+def _cache_exposition(evictions: int) -> str:
+    sender = 'role="sender",engine=""'
+    receiver = 'role="receiver",engine="EngineCore_DP1"'
+    lines = [
+        f"{n.MM_CACHE_BYTES}{{{sender}}} 750",
+        f"{n.MM_CACHE_CAPACITY}{{{sender}}} 1000",
+        f"{n.MM_CACHE_ENTRIES}{{{sender}}} 3",
+        f"{n.MM_CACHE_EVICTIONS}{{{sender}}} {evictions}",
+        f'{n.MM_CACHE_HITS}{{{sender},modality="image"}} 30',
+        f'{n.MM_CACHE_MISSES}{{{sender},modality="image"}} 10',
+        f'{n.MM_CACHE_MISSES}{{{sender},modality="video"}} 4',
+        f"{n.MM_CACHE_BYTES}{{{receiver}}} 250",
+        f"{n.MM_CACHE_CAPACITY}{{{receiver}}} 1000",
+        f"{n.MM_CACHE_TOO_LARGE}{{{receiver}}} 2",
+        f'{n.PROTECTED_PROCESSES}{{kind="api_server"}} 1',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_caches_live_figures(server: Server) -> None:
+    reads = iter([_cache_exposition(10), _cache_exposition(16)])
+    server.metrics = lambda: next(reads, _cache_exposition(16))
+    report = read_status(server.url, settle=0.5)
+    sender = report.caches["sender"]
+    assert sender["occupancy"] == 0.75 and sender["entries"] == 3
+    assert sender["evictions"] == 16
+    # 6 evictions between two reads at least 0.5 s apart: at most 720 a minute, more than 0.
+    assert 0 < sender["evictions_per_min"] <= 6 * 60 / 0.5
+    assert sender["hit_rate"] == {"image": 0.75, "video": 0.0}
+    assert sender["lookups"] == {"image": 40.0, "video": 4.0}
+    receiver = report.caches["receiver/EngineCore_DP1"]
+    assert receiver["occupancy"] == 0.25 and receiver["too_large"] == 2
+    assert "evictions_per_min" not in receiver
+    assert report.as_dict()["caches"]["sender"]["hit_rate"]["image"] == 0.75
+
+
+def test_the_command_line_shows_the_caches(server: Server) -> None:
+    server.metrics = lambda: _cache_exposition(16)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    text = subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "status", "--url", server.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    ).stdout
+    line = next(x for x in text.splitlines() if x.startswith("mm cache") and "sender" in x)
+    assert "75% full (750 of 1000 bytes)" in line and "image hit rate 75% of 40" in line, text
+    assert "video hit rate 0% of 4" in line and "16 evictions (0/min just now)" in line, text
+    assert any(
+        "receiver/EngineCore_DP1" in x and "2 items too large" in x for x in text.splitlines()
+    )

@@ -208,6 +208,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"engine            {engine}: {', '.join(parts)}")
     for name, value in sorted(report.counters.items()):
         print(f"{name}  {value:g}")
+    for cache, fig in sorted(report.caches.items()):
+        parts = []
+        if "occupancy" in fig:
+            used, capacity = fig["bytes"], fig["capacity_bytes"]
+            parts.append(f"{fig['occupancy']:.0%} full ({used:.0f} of {capacity:.0f} bytes)")
+        if "entries" in fig:
+            parts.append(f"{fig['entries']:g} entries")
+        if "evictions" in fig:
+            rate = fig.get("evictions_per_min")
+            parts.append(
+                f"{fig['evictions']:g} evictions"
+                + (f" ({rate:.0f}/min just now)" if rate is not None else "")
+            )
+        for modality, rate in sorted(fig["hit_rate"].items()):
+            if rate is not None:
+                parts.append(f"{modality} hit rate {rate:.0%} of {fig['lookups'][modality]:g}")
+        if fig.get("too_large"):
+            parts.append(f"{fig['too_large']:g} items too large")
+        print(f"mm cache          {cache}: {', '.join(parts)}")
     if report.remedy:
         print(f"remedy: {report.remedy}")
     print(f"verdict: {report.verdict.value} (exit {report.exit_code}) - {report.summary}")

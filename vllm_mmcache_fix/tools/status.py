@@ -77,6 +77,10 @@ class StatusReport:
     """Why the verdict is ``stuck`` (one sentence each)."""
     counters: dict[str, float] = field(default_factory=dict)
     """The plugin's other counters, summed over labels (repairs, drift, stalls, errors)."""
+    caches: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per multimodal cache (``role`` or ``role/engine``): bytes, capacity, occupancy,
+    entries, evictions (total, and per minute between the two reads), items too large,
+    and the hit rate per modality since the server started (:func:`cache_figures`)."""
 
     @property
     def exit_code(self) -> int:
@@ -98,6 +102,7 @@ class StatusReport:
                 "engines": dict(self.engines),
                 "evidence": list(self.evidence),
                 "counters": dict(self.counters),
+                "caches": {k: dict(v) for k, v in self.caches.items()},
             },
         )
 
@@ -172,6 +177,53 @@ def _total(samples: Samples, name: str) -> float:
     return sum(v for (sample_name, _), v in samples.items() if sample_name == name)
 
 
+def cache_figures(before: Samples, after: Samples, interval: float) -> dict[str, dict[str, Any]]:
+    """The live figures of each multimodal cache from two reads ``interval`` seconds apart."""
+    caches: dict[str, dict[str, Any]] = {}
+
+    def key_of(labels: tuple[tuple[str, str], ...]) -> str:
+        found = dict(labels)
+        return found.get("role", "?") + (f"/{found['engine']}" if found.get("engine") else "")
+
+    def entry(labels: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+        return caches.setdefault(key_of(labels), {"hit_rate": {}, "lookups": {}})
+
+    plain = {
+        n.MM_CACHE_BYTES: "bytes",
+        n.MM_CACHE_CAPACITY: "capacity_bytes",
+        n.MM_CACHE_ENTRIES: "entries",
+        n.MM_CACHE_EVICTIONS: "evictions",
+        n.MM_CACHE_TOO_LARGE: "too_large",
+    }
+    hits: dict[tuple[str, str], float] = {}
+    misses: dict[tuple[str, str], float] = {}
+    for (name, labels), value in after.items():
+        if name in plain:
+            entry(labels)[plain[name]] = value
+        elif name in (n.MM_CACHE_HITS, n.MM_CACHE_MISSES):
+            entry(labels)
+            key = key_of(labels)
+            modality = dict(labels).get("modality", "?")
+            book = hits if name == n.MM_CACHE_HITS else misses
+            book[(key, modality)] = book.get((key, modality), 0.0) + value
+    for key, modality in sorted(set(hits) | set(misses)):
+        found, missed = hits.get((key, modality), 0.0), misses.get((key, modality), 0.0)
+        caches[key]["lookups"][modality] = found + missed
+        caches[key]["hit_rate"][modality] = found / (found + missed) if found + missed else None
+    evicted_before = {
+        labels: value for (name, labels), value in before.items() if name == n.MM_CACHE_EVICTIONS
+    }
+    for (name, labels), value in after.items():
+        if name == n.MM_CACHE_EVICTIONS and labels in evicted_before and interval > 0:
+            rate = max(0.0, value - evicted_before[labels]) * 60.0 / interval
+            entry(labels)["evictions_per_min"] = rate
+    for figures in caches.values():
+        capacity = figures.get("capacity_bytes")
+        if capacity and "bytes" in figures:
+            figures["occupancy"] = figures["bytes"] / capacity
+    return caches
+
+
 # --------------------------------------------------------------------------- the verdict
 
 
@@ -213,6 +265,7 @@ def read_status(
             remedy="check the URL (the server's own port, where /metrics is) and that the "
             "server is up",
         )
+    first_read = time.monotonic()
     before = parse_metrics(body)
     health, _, health_error = _get(base + "/health", timeout)
     time.sleep(settle)
@@ -228,7 +281,9 @@ def read_status(
             health_error=health_error,
         )
     after = parse_metrics(body)
-    return decide(base, before, after, health, health_error, timeout, stuck_after)
+    report = decide(base, before, after, health, health_error, timeout, stuck_after)
+    report.caches = cache_figures(before, after, time.monotonic() - first_read)
+    return report
 
 
 def decide(
