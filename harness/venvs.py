@@ -571,13 +571,23 @@ def plugin_disabled_env(venv: Path) -> dict[str, str]:
 
 
 def build_wheel(out: Path, python_exe: str | None = None) -> Path:
-    """A wheel of this checkout in ``out`` (built with ``python_exe``, default this Python)."""
-    subprocess.run(
-        [python_exe or sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out)]
-        + [str(REPO_ROOT)],
-        check=True,
-        timeout=300,
-    )
+    """A wheel of this checkout in ``out`` (built with ``python_exe``, default this Python).
+
+    setuptools leaves ``vllm_mmcache_fix.egg-info`` in the checkout; it is removed again
+    when the build made it: a Python started in the checkout would otherwise find it on
+    ``sys.path`` and take it for an installed plugin (its version, its entry point)."""
+    egg_info = REPO_ROOT / "vllm_mmcache_fix.egg-info"
+    made_here = not egg_info.exists()
+    try:
+        subprocess.run(
+            [python_exe or sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w"]
+            + [str(out), str(REPO_ROOT)],
+            check=True,
+            timeout=300,
+        )
+    finally:
+        if made_here:
+            shutil.rmtree(egg_info, ignore_errors=True)
     (wheel,) = Path(out).glob("vllm_mmcache_fix-*.whl")
     return wheel
 

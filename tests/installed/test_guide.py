@@ -256,5 +256,7 @@ def test_dockerfile_examples(name: str, wheels: Path, tmp_path: Path, vllm_venv)
         capture_output=True,
         text=True,
         check=True,
+        env=venv.env(env),
+        cwd=str(image_root),  # not the checkout: a build's egg-info there reads as installed
     )
     assert version.stdout.strip() == VERSION
