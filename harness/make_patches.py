@@ -222,9 +222,19 @@ def _rewrite_method(func: ast.FunctionDef, edits: _Edits) -> None:
             edits.replace_node(node, SENTINEL_NAME)
 
 
+METRICS_ONLY = "# metrics-only"
+"""Marks a line of ``FixedLRUMixin`` that only counts for the cache series."""
+PLUGIN_ONLY = frozenset({"get"})
+"""Methods of ``FixedLRUMixin`` a patched vLLM does without: ``get`` reads a hit's modality
+for the cache series (and saves vLLM's nested lookups); vLLM's own ``get`` is right."""
+
+
 def render_fixed_class() -> str:
     """Module-level text of ``_FixedLRUCache`` (and its sentinel) built from the plugin."""
     source = textwrap.dedent(inspect.getsource(fixed_cache.FixedLRUMixin))
+    # The cache series (lines marked METRICS_ONLY) need the plugin's statistics; a patched
+    # vLLM carries the eviction fix alone.
+    source = "".join(line for line in source.splitlines(True) if METRICS_ONLY not in line)
     if not source.isascii():
         raise ValueError("FixedLRUMixin source must be ASCII")
     tree = ast.parse(source)
@@ -244,6 +254,11 @@ def render_fixed_class() -> str:
     # and ``__slots__`` (which matters only for switching instances' class in place) are
     # dropped with their comments; in their place go the marker the plugin recognises and
     # the report flag. Any other class attribute stops the generator.
+    # A plugin-only method goes with the class attributes' span below: it must come first.
+    for dropped in [n for n in body if isinstance(n, ast.FunctionDef) and n.name in PLUGIN_ONLY]:
+        body.remove(dropped)
+        if any(isinstance(n, ast.FunctionDef) and n.lineno < dropped.lineno for n in body):
+            raise ValueError(f"FixedLRUMixin.{dropped.name} must come before the methods carried")
     methods = [node for node in body if isinstance(node, ast.FunctionDef)]
     for node in body:
         if isinstance(node, ast.FunctionDef) or (

@@ -35,9 +35,9 @@ from harness.paths import REPO_ROOT, cache_root
 
 REQUIRED = ("3.9", "3.10", "3.11", "3.12", "3.13")
 OPTIONAL: tuple[str, ...] = ()
-REQUIREMENTS = ("pytest>=8", "cachetools", "py-spy", "prometheus_client")
+REQUIREMENTS = ("pytest>=8", "hypothesis", "cachetools", "py-spy", "prometheus_client")
 """What the unit tier and the realsrc subset need (prometheus_client: the metrics and
-``status`` tests, which vLLM's own dependency makes real)."""
+``status`` tests, which vLLM's own dependency makes real; hypothesis: the property tests)."""
 
 REALSRC_FILES = (
     "tests/realsrc/test_fix_on_releases.py",

@@ -45,6 +45,7 @@ except ImportError:
 import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate)
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
+from drift_threads_mutants import unlocked_registration  # (this file's folder)
 
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal, processor, records, sender
@@ -54,22 +55,6 @@ ITEM = 20_000  # bytes per item
 CAPACITY = 48  # items the caches hold: more than the requests in flight have
 POOL = 80  # distinct images
 IN_FLIGHT = 12
-
-
-def unlocked_registration(self: journal.Journal, shadow: journal.Shadow) -> None:
-    """The registration as it was: ``pending`` changed without the shadow's lock."""
-    self.shadow = shadow
-    shadow.pending[self] = None
-    self.epoch = shadow.epoch
-    self.state = journal.PENDING
-    self.prev_seq = {}
-    self.my_seq = {}
-    self.inserted = []
-    self.adopted = {}
-    self.evicted = []
-    self.evictions_mark = None
-    self.sent_without_data = 0
-    self.cleared = []
 
 
 MUTANTS = {"unlocked-registration": (journal.Journal, "__init__", unlocked_registration)}

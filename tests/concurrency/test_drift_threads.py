@@ -8,8 +8,11 @@ interval is 1 µs and a CPU-bound process competes for the cores
 0.32.0). Asserted: the guard never switches itself off, no internal error, no request
 fails in vLLM's processing, every item reaches EngineCore with its own data, and at the
 end the sender cache (P0) holds nothing EngineCore's cache (P1) lacks, in P1's order.
-The same run with the journal's registration put back without the shadow's lock (the
-defect it guards against) switches the guard off: the tier catches it.
+That the tier sees the defect it guards against (the journal's registration without the
+shadow's lock) is shown every time by forcing the interleaving
+(test_journal_registration.py); this run with ``--mutant unlocked-registration`` finds it
+by chance only, the sooner the busier the machine (switched off within 0.03-14 s on a
+loaded machine, not within 60 s on a quiet one), so CI does not wait for it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from harness.venvs import python
 VERSIONS = ("0.23.0", "0.32.0")
 SECONDS = float(os.environ.get("MMCACHE_FIX_CONCURRENCY_SECONDS", "8"))
 PROGRAM = Path(__file__).with_name("drift_threads.py")
-MUTANT = "unlocked-registration"
 
 
 def run(venv: Path, *args: str) -> list[dict[str, Any]]:
@@ -74,12 +76,5 @@ def assert_invariants(got: dict[str, Any]) -> None:
 def test_the_guard_stays_on_and_in_step_under_contention(
     version: str, vllm_venv, cpu_contention
 ) -> None:
-    args = ("--mutant", MUTANT) if version == VERSIONS[-1] else ()
-    results = run(vllm_venv(version), *args)
-    assert_invariants(results[0])
-    if args:
-        # The defect put back: the same threads switch the guard off within the run.
-        mutant = results[1]
-        assert mutant["mutant"] == MUTANT
-        assert mutant["switched_off"] is not None, mutant
-        assert sum(mutant["internal_errors"].values()) == 1
+    (result,) = run(vllm_venv(version))
+    assert_invariants(result)

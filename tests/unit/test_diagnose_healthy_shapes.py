@@ -80,6 +80,7 @@ def _start(children: Children, title: str, where: str, module_dir: Path) -> int:
     return proc.pid
 
 
+@pytest.mark.realtime  # samples real threads for seconds
 @pytest.mark.parametrize("use_py_spy", [False, True], ids=["no-py-spy", "py-spy"])
 def test_a_workers_busy_wait_is_active(
     children: Children, module_dir: Path, use_py_spy: bool
@@ -99,6 +100,7 @@ def test_a_workers_busy_wait_is_active(
     assert d.exit_code == 0
 
 
+@pytest.mark.realtime  # samples real threads for seconds
 def test_engine_cores_busy_loop_is_active(children: Children, module_dir: Path) -> None:
     """EngineCore's main thread (its busy loop, waiting on its Workers' queue) at work."""
     pid = _start(children, "VLLM::EngineCore", "main", module_dir)
@@ -107,6 +109,7 @@ def test_engine_cores_busy_loop_is_active(children: Children, module_dir: Path) 
     assert d.processes[0].kind == "EngineCore"
 
 
+@pytest.mark.realtime  # samples real threads for seconds
 def test_engine_cores_other_thread_spinning_is_the_signature(
     children: Children, module_dir: Path
 ) -> None:
@@ -139,6 +142,7 @@ while True:
 """
 
 
+@pytest.mark.realtime  # samples real threads for seconds
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_runnable_but_starved_is_not_spinning(children: Children) -> None:
     """A thread that is runnable all along but gives its core away (``sched_yield``, as a

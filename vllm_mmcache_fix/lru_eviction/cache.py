@@ -137,12 +137,12 @@ class FixedLRUMixin:
                 return getattr(type(self), BASE_ATTR).get(self, key, default)
             self._hits += 1
             self._total += 1
-            hits = self._mmfix_stats.hits
-            modality = modality_of(value)
-            hits[modality] = hits.get(modality, 0) + 1
+            hits = self._mmfix_stats.hits  # metrics-only
+            modality = modality_of(value)  # metrics-only
+            hits[modality] = hits.get(modality, 0) + 1  # metrics-only
             return value
         self._total += 1
-        self._mmfix_stats.unfilled += 1
+        self._mmfix_stats.unfilled += 1  # metrics-only
         return default
 
     def touch(self, key: Hashable) -> None:
@@ -173,7 +173,7 @@ class FixedLRUMixin:
                 if key not in data:
                     break  # an order-only key: vLLM's own popitem would stall on it
                 if remove_pinned or key not in pinned:
-                    self._mmfix_stats.evictions += 1
+                    self._mmfix_stats.evictions += 1  # metrics-only
                     return key, self.pop(key)  # type: ignore[attr-defined]
             else:
                 # Order and data agree and nothing is evictable: vLLM's own popitem
@@ -186,17 +186,17 @@ class FixedLRUMixin:
         )
         if victim is _NO_VICTIM:
             return getattr(type(self), BASE_ATTR).popitem(self, remove_pinned=remove_pinned)
-        self._mmfix_stats.evictions += 1
+        self._mmfix_stats.evictions += 1  # metrics-only
         return victim, self.pop(victim)  # type: ignore[attr-defined]
 
     def clear(self) -> None:
         data = self._Cache__data
-        stats = self._mmfix_stats
-        evictions = stats.evictions  # what clear removes is not evicted
+        stats = self._mmfix_stats  # metrics-only
+        evictions = stats.evictions  # metrics-only (what clear removes is not evicted)
         # Each call removes one real item, so this runs at most len(data) times.
         while data:
             self.popitem(remove_pinned=True)
-        stats.evictions = evictions
+        stats.evictions = evictions  # metrics-only
         if self._LRUCache__order:
             self._mmfix_repair()
         # A pin can outlive its item when cachetools' delete fails half-way.
