@@ -44,12 +44,12 @@ class BuildPy(build_py):  # type: ignore[misc]
         path = os.path.join(self.build_lib, "vllm_mmcache_fix", "_version.py")
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        unset = "BUILT: str | None = None"
-        text, n = re.subn(
-            "^" + re.escape(unset) + "$", f"BUILT: str | None = {VERSION!r}", text, flags=re.M
-        )
+        # The line as the checkout has it, or as an earlier build in this tree left it:
+        # setuptools copies a file into build/ again only when the checkout's is newer.
+        line = re.escape("BUILT: str | None = ")
+        text, n = re.subn("^" + line + ".*$", f"BUILT: str | None = {VERSION!r}", text, flags=re.M)
         if n != 1:
-            raise RuntimeError(f"{path}: no {unset!r} line to set")
+            raise RuntimeError(f"{path}: no 'BUILT: str | None = ...' line to set")
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 
