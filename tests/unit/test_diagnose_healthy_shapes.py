@@ -51,12 +51,13 @@ with open("/proc/self/comm", "w") as handle:
     handle.write(title)
 sys.path.insert(0, module_dir)
 import shm_broadcast
-print("ready", flush=True)
 if where == "main":
+    print("ready", flush=True)
     shm_broadcast.acquire_read()
 else:
     worker = threading.Thread(target=shm_broadcast.acquire_read, name="process_input_sockets")
     worker.start()
+    print("ready", flush=True)  # once the thread exists: the sampling must see it from the start
     worker.join()
 """
 
