@@ -477,8 +477,16 @@ def test_a_blocked_event_loop_is_not_taken_for_a_silent_engine(
         client = Slow()
         beat = Heartbeat(client, 0.3)
         beat.start()
-        await asyncio.sleep(0.17)  # the first ping and the confirming one are out
-        assert len(beat.beats[0].pending) == 2
+        # Until the first ping and the confirming one are out and both calls reached the
+        # engine (a ping task that has not started yet is only asked after the block, and
+        # its answer is due 0.2 s later: that is not an answer waiting unread). Bounded: on
+        # a loaded machine the ticks come late; the answers need three more loop turns.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (
+            len(beat.beats[0].pending) < 2 or len(client.calls) < 2
+        ):
+            await asyncio.sleep(0.005)
+        assert len(beat.beats[0].pending) == 2 and len(client.calls) == 2
         time.sleep(1.0)  # the loop blocked: both answers are due meanwhile
         await asyncio.sleep(0.3)
         beat.stop("done")
