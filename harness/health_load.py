@@ -184,6 +184,13 @@ class Poller:
     def first(self, status: int, after: float = 0.0) -> Poll | None:
         return next((p for p in self.polls if p.at >= after and p.status == status), None)
 
+    def wait_first(self, status: int, after: float, within: float) -> Poll | None:
+        """:meth:`first`, waited for (checked every 0.2 s) until ``within`` seconds after
+        ``after``."""
+        while time.monotonic() - after < within and self.first(status, after) is None:
+            time.sleep(0.2)
+        return self.first(status, after)
+
 
 def chat(url: str, index: int, max_tokens: int, timeout: float = 180.0) -> int | None:
     payload = chat_payload(f"Describe picture {index}.", make_png(5000 + index), max_tokens)
@@ -268,16 +275,12 @@ def phase_stuck_step(
         started = time.monotonic()
         request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 1, 2)))
         request.start()
-        while time.monotonic() - started < limit and poller.first(503, started) is None:
-            time.sleep(0.2)
-        bad = poller.first(503, started)
+        bad = poller.wait_first(503, started, limit)
         out["detected_s"] = round(bad.at - started, 2) if bad else None
         out["metrics_while_stuck"] = _plugin_metrics(url)
         trigger.unlink()
         released = time.monotonic()
-        while time.monotonic() - released < 30 and poller.first(200, released) is None:
-            time.sleep(0.2)
-        good = poller.first(200, released)
+        good = poller.wait_first(200, released, 30)
         out["recovered_s"] = round(good.at - released, 2) if good else None
         request.join(200)
         stuck = [p for p in poller.polls if started <= p.at <= released]
@@ -305,9 +308,7 @@ def phase_drop(url: str, trigger_dir: Path, seconds: float = DROP_S) -> dict[str
         out["failed_after_s"] = round(bad.at - started, 2) if bad else None
         trigger.unlink()
         released = time.monotonic()
-        while time.monotonic() - released < 30 and poller.first(200, released) is None:
-            time.sleep(0.2)
-        good = poller.first(200, released)
+        good = poller.wait_first(200, released, 30)
         out["healed_s"] = round(good.at - released, 2) if good else None
         time.sleep(5.0)
         after = [p for p in poller.polls if good is not None and p.at >= good.at]
@@ -331,16 +332,12 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
         started = time.monotonic()
         request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 3, 2)))
         request.start()
-        while time.monotonic() - started < limit and poller.first(503, started) is None:
-            time.sleep(0.2)
-        bad = poller.first(503, started)
+        bad = poller.wait_first(503, started, limit)
         out["detected_s"] = round(bad.at - started, 2) if bad else None
         out["metrics_while_stuck"] = _plugin_metrics(url)
         trigger.unlink()
         released = time.monotonic()
-        while time.monotonic() - released < 30 and poller.first(200, released) is None:
-            time.sleep(0.2)
-        good = poller.first(200, released)
+        good = poller.wait_first(200, released, 30)
         out["recovered_s"] = round(good.at - released, 2) if good else None
         request.join(120)
         healthy = [p for p in poller.polls if before <= p.at < started]
