@@ -13,6 +13,7 @@ import textwrap
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,9 +64,11 @@ print(json.dumps({"new": after_register, "counts": counts,
 """
 
 
-def test_the_entry_point_imports_no_fix_before_vllm() -> None:
+def _fresh(code: str) -> Any:
+    """What ``code``, run in a fresh interpreter with this checkout importable, printed last
+    (one JSON line)."""
     proc = subprocess.run(
-        [sys.executable, "-c", FRESH],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=60,
@@ -73,7 +76,11 @@ def test_the_entry_point_imports_no_fix_before_vllm() -> None:
         cwd="/",
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_entry_point_imports_no_fix_before_vllm() -> None:
+    out = _fresh(FRESH)
     new = set(out["new"])
     assert "vllm_mmcache_fix.plugin" in new and "vllm_mmcache_fix.core.imports" in new
     loaded = sorted(m for m in new if any(m == h or m.startswith(h + ".") for h in HEAVY))
@@ -250,16 +257,7 @@ def test_records_replace_the_dataclasses_every_process_loads() -> None:
         print(json.dumps(len(made)))
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        cwd="/",
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == 0
+    assert _fresh(code) == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
