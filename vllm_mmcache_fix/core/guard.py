@@ -49,6 +49,12 @@ class InternalErrors:
                 site = self.sites[name] = Site(self, name)
             return site
 
+    def reset(self) -> None:
+        """As built: no errors counted, the injected faults read again (the sites stay)."""
+        with self._lock:
+            self.counts.clear()
+        self.reload_faults()
+
     def reload_faults(self, fail_at: frozenset[str] | None = None) -> None:
         self._fail_at = read_fail_at() if fail_at is None else fail_at
         for site in self.sites.values():

@@ -1,11 +1,14 @@
 """The lifecycle every fix shares: ``id``, ``install``, ``uninstall``, ``status``.
 
 A fix subclasses :class:`Fix` and writes only ``_install`` (settings, "does this
-apply here"), ``_uninstall``, ``_status`` and, when it patches vLLM modules, the
-modules it ``watches`` and ``_on_import`` ("try to patch"). The public methods do the
+apply here"), ``_uninstall`` (undo its patches, stop its threads), ``_reset`` (its own
+state as built; called from its ``__init__`` too), ``_status`` and, when it patches vLLM
+modules, the modules it ``watches`` and ``_on_import`` ("try to patch"). The public methods do the
 bookkeeping: repeat calls are no-ops, ``install`` never raises, "does not apply here"
 (:class:`DidNotEnable`) is kept apart from "broke" (an exception), the waiting for
-imports is the base class's (``core/imports``), and ``status`` returns a copy with a
+imports is the base class's (``core/imports``), ``uninstall`` resets under the one lock
+the fix keeps for its life (a fix never rebuilds itself: a new ``lock`` would let another
+thread in while ``uninstall`` holds the old one), and ``status`` returns a copy with a
 schema version.
 """
 
@@ -81,7 +84,8 @@ class Fix:
             self.enabled = False
             self.not_enabled_reason = None
             self.problems = []
-            self.errors.counts.clear()
+            self.errors.reset()
+            self._reset()
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -139,6 +143,9 @@ class Fix:
 
     def _uninstall(self) -> None:
         raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Put the fix's own state back as built (``uninstall`` calls it under ``lock``)."""
 
     def _status(self) -> dict[str, Any]:
         return {}

@@ -50,8 +50,7 @@ class DriftGuard(Fix):
         super().__init__()
         self.errors = ERRORS
         STATE.fix = self
-        self.announced = False
-        self.recovery_announced = False
+        self._reset()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -79,9 +78,11 @@ class DriftGuard(Fix):
         STATE.switched_off = None
         STATE.patched = {}
         STATE.sender_types = ()
+        STATS.reset()
+
+    def _reset(self) -> None:
         self.announced = False
         self.recovery_announced = False
-        STATS.reset()
 
     def _status(self) -> dict[str, Any]:
         return {

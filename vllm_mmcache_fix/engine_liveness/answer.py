@@ -103,6 +103,14 @@ class EngineLivenessAnswer(Fix):
     def __init__(self, counts: Counts) -> None:
         super().__init__()
         self.counts = counts
+        self._answer_site = self.errors.site("engine_liveness.answer")
+        self._adopt_site = self.errors.site("engine_liveness.adopt")
+        self._stamp_site = self.errors.site("engine_liveness.loop_state")
+        self._input_site = self.errors.site("engine_liveness.input_thread")
+        self._progress_site = self.errors.site("engine_liveness.progress")
+        self._reset()
+
+    def _reset(self) -> None:
         self.targets: list[str] = []
         self.answers = 0
         self.answers_in_input_thread = 0
@@ -115,11 +123,6 @@ class EngineLivenessAnswer(Fix):
         """Pings answered in the input thread; off after an internal error there."""
         self._local = threading.local()
         self._announced = False
-        self._answer_site = self.errors.site("engine_liveness.answer")
-        self._adopt_site = self.errors.site("engine_liveness.adopt")
-        self._stamp_site = self.errors.site("engine_liveness.loop_state")
-        self._input_site = self.errors.site("engine_liveness.input_thread")
-        self._progress_site = self.errors.site("engine_liveness.progress")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -131,7 +134,6 @@ class EngineLivenessAnswer(Fix):
 
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_ID)
-        self.__init__(self.counts)  # type: ignore[misc]
 
     def _status(self) -> dict[str, Any]:
         return {

@@ -50,6 +50,11 @@ class EngineHealth(Fix):
 
     def __init__(self) -> None:
         super().__init__()
+        self._site = self.errors.site("engine_health.check")
+        self._beat_site = self.errors.site("engine_health.heartbeat")
+        self._reset()
+
+    def _reset(self) -> None:
         self.timeout: float | None = None
         self.step_timeout: float | None = None
         self.progress_timeout: float | None = None
@@ -58,8 +63,6 @@ class EngineHealth(Fix):
         self.switched_off: str | None = None
         self.serving = False
         self._error_classes: dict[type, type] = {}
-        self._site = self.errors.site("engine_health.check")
-        self._beat_site = self.errors.site("engine_health.heartbeat")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -98,7 +101,6 @@ class EngineHealth(Fix):
         if liveness is not None:
             for beat in liveness._all():
                 beat.stop("uninstalled")
-        self.__init__()  # type: ignore[misc]
 
     def _status(self) -> dict[str, Any]:
         return {

@@ -61,7 +61,6 @@ class LruEvictionFix(Fix):
         registry.revert_patch(PATCH_FIX)
         registry.revert_patch(PATCH_OBSERVE)
         fixed_cache.remove_repair_listener(self._on_repair)
-        self._reset()
 
     def _status(self) -> dict[str, Any]:
         return {

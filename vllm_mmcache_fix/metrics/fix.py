@@ -31,6 +31,9 @@ class PluginMetrics(Fix):
         super().__init__()
         self.exporter = Exporter(local, engines, self._sync_failed, ages)
         self._site = self.errors.site("metrics.start")
+        self._reset()
+
+    def _reset(self) -> None:
         self.switched_off: str | None = None
 
     def _install(self) -> None:
@@ -45,7 +48,6 @@ class PluginMetrics(Fix):
         signals.ENGINE_ANSWERED.disconnect(self.observe_round_trip)
         signals.ENGINE_HEALTH_FAILED.disconnect(self.round_trip_failed)
         self.exporter.unregister()
-        self.switched_off = None
 
     def _status(self) -> dict[str, Any]:
         return {

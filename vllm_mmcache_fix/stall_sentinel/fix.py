@@ -84,6 +84,10 @@ class StallSentinelFix(Fix):
 
     def __init__(self) -> None:
         super().__init__()
+        self._site = self.errors.site("stall.sample")
+        self._reset()
+
+    def _reset(self) -> None:
         self.threshold_s: float | None = None
         self.interval_s = INTERVAL_S
         self.kind: str | None = None
@@ -98,7 +102,6 @@ class StallSentinelFix(Fix):
         self._pid: int | None = None
         self._stop = threading.Event()
         self._failed = False
-        self._site = self.errors.site("stall.sample")
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -128,7 +131,6 @@ class StallSentinelFix(Fix):
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        self.__init__()  # type: ignore[misc]
 
     def _status(self) -> dict[str, Any]:
         thread = self._thread
