@@ -25,7 +25,7 @@ import vllm.v1.engine.async_llm  # noqa: F401
 import vllm.v1.engine.input_processor  # noqa: F401
 
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import records
+from vllm_mmcache_fix.drift_guard import pending
 
 out: dict[str, object] = {"vllm": vllm.__version__}
 status = drift.install()
@@ -76,7 +76,7 @@ def deliver(hashes: list[str], mm_kwargs) -> str:
 
 def accept(hashes: list[str]) -> str:
     mm_kwargs = process(hashes)
-    for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
+    for record in pending.records_of({"mm_kwargs": mm_kwargs}, []):
         assert record.journal is not None
         record.journal.shadow.commit(record.journal)
     return deliver(hashes, mm_kwargs)
@@ -84,9 +84,9 @@ def accept(hashes: list[str]) -> str:
 
 def reject(hashes: list[str]) -> None:
     mm_kwargs = process(hashes)
-    for record in records.records_of({"mm_kwargs": mm_kwargs}, []):
+    for record in pending.records_of({"mm_kwargs": mm_kwargs}, []):
         assert record.journal is not None
-        records.rollback(record.journal, "test")
+        pending.rollback(record.journal, "test")
 
 
 def orders() -> tuple[list[str], list[str]]:

@@ -30,7 +30,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import processor, records
+from vllm_mmcache_fix.drift_guard import pending, processor
 
 try:  # 0.31+
     import vllm.multimodal.cache.lru as mm_lru
@@ -130,7 +130,7 @@ def prompt() -> dict[str, Any]:
     def replay() -> dict[str, Any]:
         return {**processed, "mm_kwargs": Kwargs(image=["data"])}
 
-    records.register(processed["mm_kwargs"], None, replay)
+    pending.register(processed["mm_kwargs"], None, replay)
     return processed
 
 

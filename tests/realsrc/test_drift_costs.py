@@ -24,7 +24,7 @@ from PIL import Image
 
 from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import journal, records, sender
+from vllm_mmcache_fix.drift_guard import attempts, journal, sender
 
 LRU_VERSION = "0.24.0"
 
@@ -152,11 +152,11 @@ def test_sizing_a_request_reads_a_bounded_number_of_objects(tokens: int) -> None
         args=({"prompt_token_ids": prompt_ids}, {"image": [image]}), kwargs={}
     )
     CountingList.read = 0
-    size = records.replay_size(replay)
+    size = attempts.replay_size(replay)
     assert size == 896 * 896 * 3
     assert CountingList.read == 0  # token ids hold no buffer: never walked
 
     many = CountingList(object() for _ in range(tokens))
     CountingList.read = 0
-    records.estimate_bytes(({"objects": many}, {"image": [image]}))
-    assert CountingList.read <= records._SIZE_WALK_LIMIT
+    attempts.estimate_bytes(({"objects": many}, {"image": [image]}))
+    assert CountingList.read <= attempts._SIZE_WALK_LIMIT

@@ -14,7 +14,8 @@ where a sender cache exists; everything it does around a vLLM call is guarded
 
 - ``journal``: the pure algorithm (journals over a shadow; no vLLM, no package imports)
 - ``context``: the per-request scope the wrappers share on one thread
-- ``records``: processed inputs on their way to EngineCore, deferred rollbacks, attempts
+- ``pending``: processed inputs on their way to EngineCore, deferred rollbacks
+- ``attempts``: what recovery keeps of a request that sent items without data
 - ``sender`` / ``processor`` / ``recovery``: the wrappers
 - ``state``, ``stats``: what the wrappers read and count
 - ``fix``: the lifecycle (``DriftGuard``)

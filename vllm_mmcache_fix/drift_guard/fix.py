@@ -14,7 +14,7 @@ from ..core.process import process_label
 from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
-from . import handoff, processor, records, recovery, sender
+from . import attempts, handoff, pending, processor, recovery, sender, state
 from .state import ERRORS, FIX_ID, STATE
 from .stats import STATS
 
@@ -70,8 +70,9 @@ class DriftGuard(Fix):
     def _uninstall(self) -> None:
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
-        records.clear()
-        records.clear_shadows()
+        pending.clear()
+        attempts.clear()
+        state.clear_shadows()
         STATE.mode = None
         STATE.installed = False
         STATE.tracking = False
@@ -91,8 +92,8 @@ class DriftGuard(Fix):
             "patched": dict(STATE.patched),
             "tracking": STATE.live,
             "switched_off": STATE.switched_off,
-            "pending": records.pending(),
-            "recoverable": records.attempts(),
+            "pending": pending.pending(),
+            "recoverable": attempts.attempts(),
             "counts": STATS.as_dict(),
         }
 
@@ -102,9 +103,10 @@ class DriftGuard(Fix):
         with STATE.lock:
             if STATE.switched_off is None:
                 STATE.switched_off = f"internal error at {where}: {exc!r}"
-            for shadow in records.live_shadows():
+            for shadow in state.live_shadows():
                 sender.detach(shadow)
-            records.clear()
+            pending.clear()
+        attempts.clear()
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
 
     def note(self, problem: str) -> None:

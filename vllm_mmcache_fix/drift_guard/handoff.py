@@ -22,7 +22,7 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from . import records
+from . import pending
 from .journal import Journal
 from .state import ERRORS, STATE
 
@@ -62,9 +62,9 @@ def _resolve(handoff: Handoff, admitted: bool, why: str) -> None:
     journals, handoff.journals = handoff.journals, []
     for journal in journals:
         if admitted:
-            records.commit(journal)
+            pending.commit(journal)
         else:
-            records.rollback(journal, why)
+            pending.rollback(journal, why)
 
 
 def wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.signatures import reader
-from . import records
+from . import attempts, pending
 from .context import scope
 from .handoff import staging
 from .journal import Journal
@@ -77,8 +77,8 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
             if cache is not None and ctx.journal is None:
                 shadow = shadow_of(cache)
             if shadow is not None:
-                if records.has_deferred():
-                    records.drain_deferred()
+                if pending.has_deferred():
+                    pending.drain_deferred()
                 if STATE.prevent:
                     journal = Journal(shadow)
                     STATS.bump("journals")
@@ -92,7 +92,7 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.bypassed.clear()
             if journal is not None:
                 with _S_MERGE_FAILED:
-                    records.rollback(journal, "multimodal processing failed")
+                    pending.rollback(journal, "multimodal processing failed")
             raise
         ctx.journal = None
         ctx.bypassed.clear()
@@ -115,19 +115,19 @@ def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
         mm_kwargs = None
     if mm_kwargs is None:
         if journal is not None:
-            records.commit(journal)
+            pending.commit(journal)
         return
     replay = None
     if STATE.recovery:
         missing = (
             journal.sent_without_data
             if journal is not None
-            else records.has_missing_data(mm_kwargs)
+            else pending.has_missing_data(mm_kwargs)
         )
         if missing:
             replay = ctx.replay
     if journal is not None or replay is not None:
-        records.register(mm_kwargs, journal, replay)
+        pending.register(mm_kwargs, journal, replay)
     if ctx.collector is not None:
         ctx.collector.append(mm_kwargs)
 
@@ -142,8 +142,8 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         outer = ctx.collector
         collector: list[Any] | None = None
         with _S_INPUTS_BEFORE:
-            if records.has_deferred():
-                records.drain_deferred()
+            if pending.has_deferred():
+                pending.drain_deferred()
             collector = []
         if collector is None:
             return orig(self, *args, **kwargs)
@@ -154,25 +154,25 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.collector = outer
             with _S_INPUTS_FAILED:
                 if STATE.live:
-                    for record in records.records_of(prompt_arg.get(args, kwargs), collector):
+                    for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
                         if record.journal is not None:
-                            records.rollback(record.journal, "rejected after multimodal processing")
+                            pending.rollback(record.journal, "rejected after multimodal processing")
             raise
         ctx.collector = outer
         with _S_INPUTS_AFTER:
             if STATE.live:
                 replay = None
                 handoff = staging()  # admission control may still refuse the request
-                for record in records.records_of(prompt_arg.get(args, kwargs), collector):
+                for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
                     if record.journal is None:
                         pass
                     elif handoff is not None:
                         handoff.journals.append(record.journal)
                     else:
-                        records.commit(record.journal)
+                        pending.commit(record.journal)
                     replay = replay or record.replay
                 if STATE.recovery:
-                    records.note_attempt(prompt_arg.get(args, kwargs), request, replay)
+                    attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
         return request
 
     return process_inputs

@@ -22,8 +22,8 @@ from ..core import log
 from ..core.messages import DRIFT_EVENT
 from ..core.process import process_label
 from ..core.signatures import reader
-from . import records
-from .records import Attempt
+from . import attempts, pending, state
+from .attempts import Attempt
 from .state import ERRORS, STATE
 from .stats import STATS
 
@@ -41,11 +41,11 @@ def _may_need_recovery(prompt: Any) -> bool:
         return False
     mm_kwargs = prompt.get("mm_kwargs")
     if mm_kwargs is not None:
-        record = records.lookup(mm_kwargs)
+        record = pending.lookup(mm_kwargs)
         if record is not None:
             # Processed here: a replay was kept exactly when an item went without data.
             return record.replay is not None
-        return records.has_missing_data(mm_kwargs)
+        return pending.has_missing_data(mm_kwargs)
     # A raw prompt: its items are processed inside add_request.
     return prompt.get("multi_modal_data") is not None
 
@@ -77,7 +77,7 @@ def _executor_of(engine: Any) -> Any:
 
 async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
     """The prompt to submit again, with its multimodal data, or None when impossible."""
-    for shadow in records.live_shadows():
+    for shadow in state.live_shadows():
         shadow.invalidate(attempt.hashes)
     if not (isinstance(prompt, dict) and "mm_kwargs" in prompt):
         return prompt  # processed again inside add_request
@@ -141,7 +141,7 @@ async def _recovering(
     slot = None
     retry_wanted = False
     with _S_START:
-        slot = records.open_slot(prompt_arg.get(args, kwargs))
+        slot = attempts.open_slot(prompt_arg.get(args, kwargs))
     stream = orig(engine, *args, **kwargs)
     try:
         try:
@@ -151,7 +151,7 @@ async def _recovering(
         finally:
             with _S_FIRST:
                 if slot is not None:
-                    attempt = records.close_slot(slot)
+                    attempt = attempts.close_slot(slot)
         with _S_FIRST:
             retry_wanted = STATE.live and attempt is not None and is_error_without_tokens(first)
         if not retry_wanted:

@@ -14,7 +14,7 @@ from typing import Any
 from ..core import registry
 from ..core.signatures import require_prefix
 from ..vllm_layout import SENDER_LRU_ATTR
-from . import records
+from . import state
 from .context import scope
 from .journal import Shadow
 from .state import ERRORS, STATE
@@ -73,7 +73,7 @@ def _attach(sender: Any) -> Shadow | None:
 
     registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
     registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
-    records.add_shadow(shadow)
+    state.add_shadow(shadow)
     STATE.tracking = True
     return shadow
 
@@ -82,7 +82,7 @@ def detach(shadow: Shadow) -> None:
     """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
     shadow.alive = False
     registry.revert_instance_attr(shadow.lru, "popitem")
-    records.discard_shadow(shadow)
+    state.discard_shadow(shadow)
 
 
 def shadow_of(sender: Any) -> Shadow | None:

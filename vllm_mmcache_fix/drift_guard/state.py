@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.guard import InternalErrors
 from ..core.settings import DriftMode
+from .journal import Shadow
 
 FIX_ID = "mm-drift-guard"
 
@@ -50,3 +52,30 @@ def _on_error(where: str, exc: BaseException) -> None:
 
 
 ERRORS = InternalErrors(FIX_ID, _on_error)
+
+
+shadows: weakref.WeakSet[Shadow] = weakref.WeakSet()
+"""The tracked sender caches: attached on whichever thread first uses one, read on the
+event loop; changed and copied under ``_shadows_lock`` only (:func:`live_shadows`)."""
+_shadows_lock = threading.Lock()
+
+
+def add_shadow(shadow: Shadow) -> None:
+    with _shadows_lock:
+        shadows.add(shadow)
+
+
+def discard_shadow(shadow: Shadow) -> None:
+    with _shadows_lock:
+        shadows.discard(shadow)
+
+
+def live_shadows() -> list[Shadow]:
+    """A copy of the tracked shadows (iterating the set itself races with attaching)."""
+    with _shadows_lock:
+        return list(shadows)
+
+
+def clear_shadows() -> None:
+    with _shadows_lock:
+        shadows.clear()
