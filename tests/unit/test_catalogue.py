@@ -7,16 +7,28 @@ import json
 from harness.paths import REPO_ROOT as REPO
 from vllm_mmcache_fix import catalogue, plugin, vllm_layout
 from vllm_mmcache_fix.drift_guard import fix as drift_fix
+from vllm_mmcache_fix.drift_guard import sender
 from vllm_mmcache_fix.engine_liveness import answer as liveness_fix
 from vllm_mmcache_fix.engine_liveness import health as health_fix
 from vllm_mmcache_fix.lru_eviction import factory
 
 
-def test_every_patch_the_code_can_apply_is_catalogued() -> None:
-    ids = {spec.id for spec in catalogue.CATALOGUE}
-    code_ids = {factory.PATCH_FIX} | {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
-    code_ids |= {liveness_fix.PATCH_ID, health_fix.PATCH_ID, plugin.METRICS.id}
-    assert ids == code_ids
+def test_every_declared_patch_is_catalogued_under_its_fix() -> None:
+    declared = {pid: d.fix_id for d in plugin.declarations() for pid in d.patch_ids}
+    assert {spec.id: spec.fix for spec in catalogue.CATALOGUE} == declared
+
+
+def test_the_code_applies_the_declared_patch_ids() -> None:
+    """The ids the code passes to the registry are the declared ones."""
+    code_ids = {factory.PATCH_FIX, sender.PATCH_ID, liveness_fix.PATCH_ID, health_fix.PATCH_ID}
+    code_ids |= {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
+    code_ids.add(plugin.METRICS.id)
+    assert code_ids == {pid for d in plugin.declarations() for pid in d.patch_ids}
+
+
+def test_each_declaration_is_its_fixs() -> None:
+    fixes = {fix.id: fix for fix in plugin.FIXES}
+    assert [d.fix_id for d in plugin.declarations()] == list(fixes)
 
 
 def test_each_row_names_its_fix_and_where_it_runs() -> None:
