@@ -15,6 +15,10 @@ behaves as it always did: it subscribes to the modules it ``watches`` itself and
 what it finds. The metrics and the stall sentinel act on signals that only the engine
 liveness fixes send, so they come with those fixes' modules.
 
+This module lists the fixes (:data:`_SLOTS`) and when each is imported (:data:`TRIGGERS`);
+everything a fix owns (patches, counts, metrics, settings, "active" line, how it is built)
+is in its declaration, ``<fix>/owns.py`` (``docs/new-fix.md``).
+
 Looking a fix up (``FIXES``, ``LRU_EVICTION``, ... or :func:`status`) imports it, and
 installs it when :func:`register` ran: what every process did before it was lazy.
 :func:`counts` imports nothing (a fix not imported has counted nothing).
@@ -284,9 +288,6 @@ def internal_errors() -> int:
     return broken + sum(fix.errors.total for fix in _built())
 
 
-_internal_errors = internal_errors
-
-
 def declarations() -> tuple[Declaration, ...]:
     """Every fix's declaration, in :data:`FIXES` order (imports the ``owns`` modules, builds
     nothing)."""
@@ -350,7 +351,7 @@ def status() -> dict[str, Any]:
         "drift": drift_fix.status(),
         "stall_sentinel": sentinel.status(),
         "fixes": {fix.id: fix.status() for fix in fixes},
-        "internal_errors": _internal_errors(),
+        "internal_errors": internal_errors(),
         "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],
         "instance_patches": [
             {"id": pid, "target": what} for pid, what in registry.instance_changes()

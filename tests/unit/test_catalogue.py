@@ -6,6 +6,7 @@ import json
 
 from harness.paths import REPO_ROOT as REPO
 from vllm_mmcache_fix import catalogue, plugin, vllm_layout
+from vllm_mmcache_fix.core.declaration import patch_ids
 from vllm_mmcache_fix.drift_guard import fix as drift_fix
 from vllm_mmcache_fix.drift_guard import sender
 from vllm_mmcache_fix.engine_liveness import answer as liveness_fix
@@ -13,9 +14,12 @@ from vllm_mmcache_fix.engine_liveness import health as health_fix
 from vllm_mmcache_fix.lru_eviction import factory
 
 
-def test_every_declared_patch_is_catalogued_under_its_fix() -> None:
-    declared = {pid: d.fix_id for d in plugin.declarations() for pid in d.patch_ids}
-    assert {spec.id: spec.fix for spec in catalogue.CATALOGUE} == declared
+def test_each_row_is_declared_by_the_fix_it_names() -> None:
+    for declaration in plugin.declarations():
+        for spec in declaration.patches:
+            assert spec.fix == declaration.fix_id, spec.id
+    ids = [spec.id for spec in catalogue.CATALOGUE]
+    assert len(ids) == len(set(ids))
 
 
 def test_the_code_applies_the_declared_patch_ids() -> None:
@@ -23,7 +27,7 @@ def test_the_code_applies_the_declared_patch_ids() -> None:
     code_ids = {factory.PATCH_FIX, sender.PATCH_ID, liveness_fix.PATCH_ID, health_fix.PATCH_ID}
     code_ids |= {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
     code_ids.add(plugin.METRICS.id)
-    assert code_ids == {pid for d in plugin.declarations() for pid in d.patch_ids}
+    assert code_ids == {pid for d in plugin.declarations() for pid in patch_ids(d)}
 
 
 def test_each_declaration_is_its_fixs() -> None:

@@ -53,6 +53,29 @@ class MetricSpec:
 
 
 @frozen
+class PatchSpec:
+    """One patch: what it patches, where it acts, why, the upstream threads, and when it can
+    be removed (``catalogue.CATALOGUE`` lists every fix's)."""
+
+    id: str
+    fix: str
+    """The fix (``plugin.FIXES``) that applies this patch."""
+    runs_in: str
+    """The processes where the patch acts."""
+    targets: tuple[str, ...]
+    """Where the patch lands, newest layout first (see locate.py)."""
+    why: str
+    upstream: tuple[str, ...]
+    affected: str
+    detection: str
+    """How the package decides at run time that the target needs it."""
+    removal: str
+    """When the patch can be deleted."""
+    source_patches: bool
+    """Whether ``patches/`` carries the same fix as a source diff."""
+
+
+@frozen
 class Count:
     """One number of :func:`plugin.counts` (sent by EngineCore with each heartbeat answer) and
     the series of ``metric`` it feeds."""
@@ -78,8 +101,8 @@ class Declaration:
     fix_id: str
     build: Callable[[Root], Fix]
     """Imports the fix's code and returns the process's fix object."""
-    patch_ids: tuple[str, ...] = ()
-    """The ids of the patches it applies (``catalogue.CATALOGUE`` has one row each)."""
+    patches: tuple[PatchSpec, ...] = ()
+    """The patches it applies, one catalogue row each (``catalogue.CATALOGUE``)."""
     counts: tuple[Count, ...] = ()
     more_counts: Callable[[], dict[str, int]] | None = None
     """Counts whose keys are only known at run time (each multimodal cache's figures)."""
@@ -110,6 +133,11 @@ INTERNAL_ERRORS_METRIC = MetricSpec(
     ("process",),
     "Errors in the plugin's own code (the part concerned was switched off, vLLM went on).",
 )
+
+
+def patch_ids(declaration: Declaration) -> tuple[str, ...]:
+    """The ids of the patches ``declaration``'s fix applies."""
+    return tuple(patch.id for patch in declaration.patches)
 
 
 def read_counts(declarations: Iterable[Declaration], root: Root) -> dict[str, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from ..core import messages
-from ..core.declaration import Count, Declaration, MetricSpec
+from ..core.declaration import Count, Declaration, MetricSpec, PatchSpec
 from ..core.settings import (
     DEFAULT_DRIFT,
     ENV_DRIFT,
@@ -14,7 +14,6 @@ from ..core.settings import (
     choice_reader,
     read_drift_mode,
 )
-from ..vllm_layout import DRIFT_TARGETS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -54,7 +53,91 @@ def _count(key: str, metric: str) -> Count:
 DECLARATION = Declaration(
     fix_id=FIX_ID,
     build=_build,
-    patch_ids=tuple(patch_id(target.name) for target in DRIFT_TARGETS),
+    patches=(
+        PatchSpec(
+            id="mm-drift-sender",
+            fix="mm-drift-guard",
+            runs_in="API server",
+            targets=(
+                "vllm.multimodal.cache.lru.LruKeyReplicatedSenderCache",
+                "vllm.multimodal.cache.MultiModalProcessorSenderCache",
+            ),
+            why=(
+                "The API server's sender cache is a shadow of EngineCore's receiver cache and "
+                "sends data=None for items it believes EngineCore holds. Its changes are "
+                "journaled per request so a request rejected after processing can be undone "
+                "(membership and LRU order), and keys a request added stay invisible to other "
+                "requests until that request reaches EngineCore. One deliberate difference from "
+                "vLLM: for a key the guard itself made look uncached, get_and_update_item returns "
+                "the caller's data where vLLM returns None, so EngineCore gets it; for every other "
+                "key vLLM's result is returned as it is. An internal error in this bookkeeping "
+                "switches the guard off for good and leaves vLLM's call and result untouched."
+            ),
+            upstream=(
+                "vllm-project/vllm#43941 (400 then 500 for the same image)",
+                "vllm-project/vllm#46747 "
+                "(MultiModalCacheMissError, 0.28.0: one 500 instead of many)",
+                "vllm-project/vllm#46451, #51897 (P0 rollback, closed unmerged)",
+            ),
+            affected="every release with the LRU sender cache; the shm sender cache is left alone",
+            detection="feature detection of the class and its methods (vllm_layout.DRIFT_TARGETS)",
+            removal="when vLLM rolls the sender cache back on rejection and never answers a drift "
+            "with an error",
+            source_patches=False,
+        ),
+        PatchSpec(
+            id="mm-drift-processor",
+            fix="mm-drift-guard",
+            runs_in="API server",
+            targets=(
+                "vllm.multimodal.processing.processor.BaseMultiModalProcessor",
+                "vllm.multimodal.processing.BaseMultiModalProcessor",
+            ),
+            why=(
+                "Opens the per-request journal around _merge_mm_kwargs and keeps the inputs of "
+                "apply() so a drifted request can be processed again with its data."
+            ),
+            upstream=("vllm-project/vllm#43941",),
+            affected="every release with _merge_mm_kwargs",
+            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
+            removal="with mm-drift-sender",
+            source_patches=False,
+        ),
+        PatchSpec(
+            id="mm-drift-process_inputs",
+            fix="mm-drift-guard",
+            runs_in="API server",
+            targets=(
+                "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
+                "vllm.v1.engine.processor.Processor.process_inputs",
+            ),
+            why=(
+                "The commit point: a request that becomes an EngineCoreRequest commits its "
+                "journal; one that raises here rolls it back."
+            ),
+            upstream=("vllm-project/vllm#43941",),
+            affected="every release with the V1 input processor",
+            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
+            removal="with mm-drift-sender",
+            source_patches=False,
+        ),
+        PatchSpec(
+            id="mm-drift-generate",
+            fix="mm-drift-guard",
+            runs_in="API server",
+            targets=("vllm.v1.engine.async_llm.AsyncLLM.generate",),
+            why=(
+                "Recovery: when the first output of a request that sent items without data is an "
+                "error with no tokens, drop its items from the shadow, process them again and "
+                "re-submit once, before anything reaches the client."
+            ),
+            upstream=("vllm-project/vllm#46747",),
+            affected="every release with AsyncLLM",
+            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
+            removal="when vLLM re-sends drifted items itself",
+            source_patches=False,
+        ),
+    ),
     counts=(
         _count("drift_events", DRIFT_EVENTS),
         _count("rollbacks", ROLLBACKS),

@@ -5,7 +5,7 @@ counts that arrive with each answer."""
 from __future__ import annotations
 
 from ..core import messages
-from ..core.declaration import Declaration, MetricSpec
+from ..core.declaration import Declaration, MetricSpec, PatchSpec
 from ..core.settings import (
     DEFAULT_HEALTH_TIMEOUT,
     DEFAULT_PROGRESS_TIMEOUT,
@@ -72,14 +72,76 @@ def _engine_ages(root: Root) -> Mapping[str, float] | None:
 ANSWER = Declaration(
     fix_id=ANSWER_ID,
     build=_build_answer,
-    patch_ids=(ANSWER_ID,),
+    patches=(
+        PatchSpec(
+            id="engine-liveness-answer",
+            fix="engine-liveness-answer",
+            runs_in="EngineCore",
+            targets=(
+                "vllm.v1.engine.core.EngineCore.mmcache_fix_ping",
+                "vllm.v1.engine.core.EngineCoreProc._process_input_queue",
+                "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
+                "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+                "EngineCoreProc.input_queue.put_nowait (each running engine)",
+            ),
+            why=(
+                "vLLM's /health never asks EngineCore, and a utility call waits for the busy loop "
+                "(a long step or utility call delays it). The plugin adds a utility method and, "
+                "when an EngineCoreProc's busy loop starts (in any process model: spawned, forked, "
+                "DP, Ray actors; the class patches are installed in every process), makes its "
+                "input thread answer that method at once through vLLM's own dispatch, with the "
+                "busy loop's state (step, add/abort, utility call, or idle, and since when) and "
+                "the process's plugin counters. Only a dead or spinning input thread leaves it "
+                "unanswered."
+            ),
+            upstream=(
+                "vllm-project/vllm#36451 (ping EngineCore through its input thread, open)",
+                "vllm-project/vllm-ascend#14240 (the same for Ascend, open)",
+            ),
+            affected="every release: /health stays 200 while EngineCore spins (up to 0.34.0)",
+            detection=(
+                "the classes vllm_layout.ENGINE_CORE_CLASS and ENGINE_PROC_CLASS with the busy "
+                "loop's methods; acts at the first _process_input_queue of each engine"
+            ),
+            removal="when vLLM's /health asks EngineCore itself",
+            source_patches=False,
+        ),
+    ),
     active=messages.ANSWER_ACTIVE,
 )
 
 HEALTH = Declaration(
     fix_id=HEALTH_ID,
     build=_build_health,
-    patch_ids=(HEALTH_ID,),
+    patches=(
+        PatchSpec(
+            id="engine-liveness-health",
+            fix="engine-liveness-health",
+            runs_in="API server",
+            targets=(
+                "vllm.v1.engine.async_llm.AsyncLLM.__init__",
+                "vllm.v1.engine.async_llm.AsyncLLM.check_health",
+            ),
+            why=(
+                "AsyncLLM.check_health, which /health awaits, raises only once EngineCore has "
+                "died. A heartbeat (an asyncio task per engine client, started with AsyncLLM) "
+                "pings every EngineCore every 2 s, at most two pings in flight; check_health "
+                "runs vLLM's check, then reads the heartbeat's verdict without waiting and "
+                "raises an EngineDeadError subclass (503) only for a stuck engine: two pings "
+                "unanswered, the older one for MMCACHE_FIX_HEALTH_TIMEOUT seconds, or an answer "
+                "saying the busy loop has been inside one step (or add/abort) that long. A "
+                "utility call is healthy however long it runs."
+            ),
+            upstream=("vllm-project/vllm#36451 (open)", "vllm-project/vllm#43941 (the freeze)"),
+            affected="every release with AsyncLLM",
+            detection=(
+                "feature detection (vllm_layout.HEALTH_TARGET; ASYNC_CLIENT_CLASS's "
+                "_call_utility_async must take engine=)"
+            ),
+            removal="when vLLM's /health asks EngineCore itself",
+            source_patches=False,
+        ),
+    ),
     metrics=(
         MetricSpec(
             ROUND_TRIP_SECONDS,

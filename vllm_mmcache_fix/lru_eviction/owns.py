@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..core import messages
-from ..core.declaration import Count, Declaration, MetricSpec
+from ..core.declaration import Count, Declaration, MetricSpec, PatchSpec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -63,7 +63,43 @@ def _cache_figures() -> dict[str, int]:
 DECLARATION = Declaration(
     fix_id=FIX_ID,
     build=_build,
-    patch_ids=(PATCH_FIX,),
+    patches=(
+        PatchSpec(
+            id="mm-lru-eviction",
+            fix="mm-lru-eviction",
+            runs_in="every process",
+            targets=(
+                "vllm.multimodal.cache.base.MultiModalCache.get_lru_cache",
+                "vllm.multimodal.cache.MultiModalCache.get_lru_cache",
+                "vllm.multimodal.processing.ProcessingCache.get_lru_cache",
+            ),
+            why=(
+                "vLLM's LRUCache.popitem picks the oldest key of its order dict and pop() returns "
+                "without removing anything when that key has no data, so cachetools' eviction "
+                "loop and LRUCache.clear() spin forever on a ghost key; touch() of a missing key "
+                "created such keys up to 0.23.x. The caches built by get_lru_cache get touch, "
+                "popitem and clear that always make progress."
+            ),
+            upstream=(
+                "vllm-project/vllm#43941 (the freeze)",
+                "vllm-project/vllm#43595 (touch ignores missing keys, 0.24.0)",
+                "vllm-project/vllm#47958 (freeze after days of traffic, unexplained)",
+            ),
+            affected=(
+                "touch creates ghost keys: 0.10.0-0.23.x; eviction and clear stall on any "
+                "ghost key: every release up to 0.34.0"
+            ),
+            detection=(
+                "lru_eviction.probe.probe_touch / probe_popitem on the LRUCache class the "
+                "factory module builds"
+            ),
+            removal=(
+                "when every vLLM you run has a popitem that removes an item or raises on an "
+                "order-only key (probe_popitem returns False on the plain class)"
+            ),
+            source_patches=True,
+        ),
+    ),
     counts=(
         Count("protected", _protected, PROTECTED_PROCESSES, process_label="kind"),
         _repairs("ghost_keys_dropped"),

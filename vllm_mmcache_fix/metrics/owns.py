@@ -3,7 +3,7 @@ declared counts and metrics (it patches nothing of vLLM)."""
 
 from __future__ import annotations
 
-from ..core.declaration import Declaration, MetricSpec
+from ..core.declaration import Declaration, MetricSpec, PatchSpec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -41,7 +41,31 @@ def _build(root: Root) -> Fix:
 DECLARATION = Declaration(
     fix_id=FIX_ID,
     build=_build,
-    patch_ids=(FIX_ID,),
+    patches=(
+        PatchSpec(
+            id="plugin-metrics",
+            fix="plugin-metrics",
+            runs_in="API server",
+            targets=(
+                "prometheus_client default registry / PROMETHEUS_MULTIPROC_DIR "
+                "(served by vllm.entrypoints.serve.instrumentator.metrics)",
+            ),
+            why=(
+                "The plugin's counters (repairs, drift, rollbacks, recoveries, internal errors, "
+                "stalls by cause, the heartbeat's round trips and each engine's last-answer age) "
+                "as mmcache_fix_* metrics on vLLM's own /metrics; EngineCore's counters arrive "
+                "with every heartbeat answer; nothing of vLLM is patched."
+            ),
+            upstream=("vllm-project/vllm#57118 (drift counter, closed unmerged)",),
+            affected="every release that serves /metrics with prometheus_client",
+            detection=(
+                "the import of vllm_layout.METRICS_ROUTE_MODULES, or the heartbeat's start "
+                "(signals.API_SERVER_SERVING)"
+            ),
+            removal="never needed by vLLM; remove with the fixes whose counters it exports",
+            source_patches=False,
+        ),
+    ),
     metrics=(
         MetricSpec(
             BUILD_INFO,
