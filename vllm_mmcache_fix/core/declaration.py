@@ -1,11 +1,11 @@
 """What a fix owns, stated once next to its code: one :class:`Declaration` per fix.
 
-Each fix's folder has an ``owns.py`` holding its declaration: the patch ids it applies, the
-counts it keeps (and the metric each one feeds), the metrics it exports, the settings it
-reads and the text of its "active" log line. The root (``plugin.py``) lists the fixes and
-reads their declarations; ``plugin.counts()``, the exporter's tables, the catalogue's patch
-ids, ``check``'s settings table and the metrics table of ``docs/health.md`` are derived from
-them (``docs/new-fix.md``).
+Each fix's folder has an ``owns.py`` holding its declaration: the patches it applies (one
+catalogue row each), the counts it keeps (and the metric each one feeds), the metrics it
+exports, the settings it reads and the text of its "active" log line. The root
+(``plugin.py``) lists the fixes and reads their declarations; ``plugin.counts()``, the
+exporter's tables, the catalogue, ``check``'s settings table and the metrics table of
+``docs/health.md`` are derived from them (``docs/new-fix.md``).
 
 A declaration is data plus small readers: importing an ``owns`` module imports no vLLM and
 builds nothing; :attr:`Declaration.build` imports the fix's code when the root needs it.
