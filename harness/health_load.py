@@ -718,6 +718,16 @@ DOC = REPO_ROOT / "docs" / "health.md"
 BEGIN, END = "<!-- health-load:begin -->", "<!-- health-load:end -->"
 
 
+def _stuck_checks(metrics: dict[str, float]) -> float:
+    """The engine's stuck /health checks in a record (records made before the rename carry
+    the counter's former name only)."""
+    for name in (names.STUCK_HEALTH_CHECKS, names.DEPRECATED_ROUND_TRIPS_FAILED):
+        value = metrics.get(f'{name}{{engine="EngineCore"}}')
+        if value is not None:
+            return value
+    return 0
+
+
 def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bool]:
     """What each run must show (the issue's bars); ``runs`` holds its baseline."""
     out: dict[str, bool] = {"started": bool(run.get("started")) and not run.get("error")}
@@ -750,9 +760,7 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
                 )
                 out["stuck_recovers"] = stuck.get("recovered_s") is not None
                 out["stuck_logged"] = scan.get("loop_stuck") == 1
-                failed = stuck.get("metrics_while_stuck", {}).get(
-                    f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}', 0
-                )
+                failed = _stuck_checks(stuck.get("metrics_while_stuck", {}))
                 out["stuck_metric"] = failed >= 1
             else:
                 out["stuck_200_baseline"] = stuck.get("statuses_while_stuck") == ["200"]
@@ -780,9 +788,7 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
             detected = inc.get("detected_s")
             out["incident_503_in_time"] = detected is not None and detected <= limit
             out["incident_logged"] = scan.get("not_answering") == 1
-            failed = inc.get("metrics", {}).get(
-                f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}', 0
-            )
+            failed = _stuck_checks(inc.get("metrics", {}))
             out["incident_metric"] = failed >= 1
         else:
             out["incident_200_baseline"] = inc.get("statuses_after_freeze") == ["200"]

@@ -15,6 +15,10 @@ behaves as it always did: it subscribes to the modules it ``watches`` itself and
 what it finds. The metrics and the stall sentinel act on signals that only the engine
 liveness fixes send, so they come with those fixes' modules.
 
+This module lists the fixes (:data:`_SLOTS`) and when each is imported (:data:`TRIGGERS`);
+everything a fix owns (patches, counts, metrics, settings, "active" line, how it is built)
+is in its declaration, ``<fix>/owns.py`` (``docs/new-fix.md``).
+
 Looking a fix up (``FIXES``, ``LRU_EVICTION``, ... or :func:`status`) imports it, and
 installs it when :func:`register` ran: what every process did before it was lazy.
 :func:`counts` imports nothing (a fix not imported has counted nothing).
@@ -25,6 +29,7 @@ This module imports ``core.imports`` and ``vllm_layout`` only; the operator tool
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -42,7 +47,9 @@ TYPE_CHECKING = False  # as typing's, without importing typing in every vLLM pro
 if TYPE_CHECKING:
     from typing import Any
 
+    from .core.declaration import Declaration
     from .core.lifecycle import Fix
+    from .core.settings import SettingSpec
 
 _HEALTH = (HEALTH_TARGET.module,)
 _ANSWER = (ENGINE_CORE_CLASS.module,)
@@ -64,51 +71,6 @@ TRIGGERS: dict[str, tuple[str, ...]] = {
 imported and installed when the first of them is."""
 
 
-def _build_lru_eviction() -> Fix:
-    from .lru_eviction.fix import LruEvictionFix
-
-    return LruEvictionFix()
-
-
-def _build_drift_guard() -> Fix:
-    from .drift_guard import GUARD
-
-    return GUARD
-
-
-def _build_engine_answer() -> Fix:
-    from .engine_liveness.answer import EngineLivenessAnswer
-
-    return EngineLivenessAnswer(lambda: counts())
-
-
-def _build_engine_health() -> Fix:
-    from .engine_liveness.health import EngineHealth
-
-    return EngineHealth()
-
-
-def _liveness() -> Any:
-    health = _SLOTS[3].fix
-    return getattr(health, "liveness", None)
-
-
-def _build_metrics() -> Fix:
-    from .metrics.fix import PluginMetrics
-
-    return PluginMetrics(
-        lambda: counts(),
-        lambda: _liveness().engine_counts() if _liveness() else None,
-        lambda: _liveness().ages() if _liveness() else None,
-    )
-
-
-def _build_stall_sentinel() -> Fix:
-    from .stall_sentinel.fix import StallSentinelFix
-
-    return StallSentinelFix()
-
-
 _ENV_MODE = "MMCACHE_FIX_MODE"
 """``core.settings.ENV_MODE`` (not imported: the settings come with the first fix)."""
 
@@ -128,13 +90,14 @@ if hasattr(os, "register_at_fork"):
 class _Slot:
     """One fix of :data:`FIXES`: built (its package imported) on first need."""
 
-    __slots__ = ("id", "name", "build", "fix", "wanted", "subscription", "problem")
+    __slots__ = ("id", "name", "owns", "fix", "wanted", "subscription", "problem")
 
-    def __init__(self, fix_id: str, name: str, build: Any) -> None:
+    def __init__(self, fix_id: str, name: str, owns: str) -> None:
         self.id = fix_id
         self.name = name
         """The module attribute it answers to (``plugin.LRU_EVICTION``)."""
-        self.build = build
+        self.owns = owns
+        """``<module>:<attribute>`` of its :class:`~.core.declaration.Declaration`."""
         self.fix: Fix | None = None
         self.wanted = False
         """:func:`register` ran: install the fix once it is built."""
@@ -146,11 +109,22 @@ class _Slot:
         """The fix, built (and installed, when wanted) now if it was not yet."""
         with _lock:
             if self.fix is None:
-                self.fix = self.build()
+                self.fix = self.declaration().build(sys.modules[__name__])
             fix = self.fix
         if self.wanted:
             fix.install()
         return fix
+
+    def declaration(self) -> Declaration:
+        """What the fix owns (imports its ``owns`` module, not the fix)."""
+        module, _, attr = self.owns.partition(":")
+        declaration: Declaration = getattr(importlib.import_module(module), attr)
+        return declaration
+
+    def loaded_declaration(self) -> Declaration | None:
+        """The declaration if its module is imported already, else None (imports nothing)."""
+        module, _, attr = self.owns.partition(":")
+        return getattr(sys.modules.get(module), attr, None)
 
     def install(self, *, now: bool = False) -> None:
         """Install the fix when a trigger is imported, or ``now``."""
@@ -201,15 +175,18 @@ class _Slot:
         return True
 
 
+_P = __name__.rpartition(".")[0]
+
 _SLOTS: tuple[_Slot, ...] = (
-    _Slot("mm-lru-eviction", "LRU_EVICTION", _build_lru_eviction),
-    _Slot("mm-drift-guard", "DRIFT_GUARD", _build_drift_guard),
-    _Slot("engine-liveness-answer", "ENGINE_ANSWER", _build_engine_answer),
-    _Slot("engine-liveness-health", "ENGINE_HEALTH", _build_engine_health),
-    _Slot("plugin-metrics", "METRICS", _build_metrics),
-    _Slot("stall-sentinel", "STALL_SENTINEL", _build_stall_sentinel),
+    _Slot("mm-lru-eviction", "LRU_EVICTION", f"{_P}.lru_eviction.owns:DECLARATION"),
+    _Slot("mm-drift-guard", "DRIFT_GUARD", f"{_P}.drift_guard.owns:DECLARATION"),
+    _Slot("engine-liveness-answer", "ENGINE_ANSWER", f"{_P}.engine_liveness.owns:ANSWER"),
+    _Slot("engine-liveness-health", "ENGINE_HEALTH", f"{_P}.engine_liveness.owns:HEALTH"),
+    _Slot("plugin-metrics", "METRICS", f"{_P}.metrics.owns:DECLARATION"),
+    _Slot("stall-sentinel", "STALL_SENTINEL", f"{_P}.stall_sentinel.owns:DECLARATION"),
 )
-"""Installed in this order; each fix decides for itself whether it acts in this process."""
+"""The fixes: installed in this order; each decides for itself whether it acts in this
+process. Everything a fix owns is in its declaration (``docs/new-fix.md``)."""
 
 _BY_NAME = {slot.name: slot for slot in _SLOTS}
 
@@ -296,45 +273,47 @@ def _built() -> list[Fix]:
         return list(built_fixes())
 
 
-def _internal_errors() -> int:
+def built(fix_id: str) -> Fix | None:
+    """The fix with this id if this process built it, else None; imports nothing."""
+    for slot in _SLOTS:
+        if slot.id == fix_id:
+            return slot.fix
+    return None
+
+
+def internal_errors() -> int:
+    """Fixes that could not load plus every built fix's guarded internal errors."""
     with _lock:
         broken = sum(1 for slot in _SLOTS if slot.problem is not None)
     return broken + sum(fix.errors.total for fix in _built())
 
 
-def _stats(module: str, keys: tuple[str, ...]) -> dict[str, int]:
-    """A stats object's counts, or zeros while its module is not imported (nothing counted)."""
-    loaded = sys.modules.get(f"{__package__}.{module}")
-    stats = getattr(loaded, "STATS", None)
-    if stats is None:
-        return dict.fromkeys(keys, 0)
-    values: dict[str, int] = stats.as_dict()
-    return values
+def declarations() -> tuple[Declaration, ...]:
+    """Every fix's declaration, in :data:`FIXES` order (imports the ``owns`` modules, builds
+    nothing)."""
+    return tuple(slot.declaration() for slot in _SLOTS)
+
+
+def settings() -> tuple[SettingSpec, ...]:
+    """Every ``MMCACHE_FIX_*`` setting: the plugin's own and each fix's (``check``'s table)."""
+    from .core.settings import SETTINGS_AFTER_FIXES, SETTINGS_BEFORE_FIXES
+
+    declared = tuple(spec for d in declarations() for spec in d.settings)
+    return (*SETTINGS_BEFORE_FIXES, *declared, *SETTINGS_AFTER_FIXES)
 
 
 def counts() -> dict[str, int]:
     """This process's counters as plain numbers: what ``/metrics`` exports (and what
-    EngineCore sends with each answer to the heartbeat). Imports no fix."""
-    repairs = _stats("lru_eviction.cache", ("ghost_keys_dropped", "orphans_restored"))
-    drift = _stats(
-        "drift_guard.stats", ("drift_events", "rollbacks", "recoveries", "recovery_failures")
-    )
-    lru = _SLOTS[0].fix
-    stalls = sys.modules.get(f"{__package__}.core.counters")
-    cache_stats = sys.modules.get(f"{__package__}.lru_eviction.stats")
+    EngineCore sends with each answer to the heartbeat): the counts each fix declares, for
+    the fixes whose declaration is loaded (a fix not loaded has counted nothing), and the
+    internal errors. Imports nothing."""
+    from .core.declaration import INTERNAL_ERRORS_COUNT, read_counts
+
+    root: Any = sys.modules[__name__]
+    loaded = [d for d in (slot.loaded_declaration() for slot in _SLOTS) if d is not None]
     return {
-        "protected": int(bool(getattr(lru, "installed", False))),
-        "ghost_keys_dropped": repairs["ghost_keys_dropped"],
-        "orphans_restored": repairs["orphans_restored"],
-        "drift_events": drift["drift_events"],
-        "rollbacks": drift["rollbacks"],
-        "recoveries": drift["recoveries"],
-        "recovery_failures": drift["recovery_failures"],
-        "internal_errors": _internal_errors(),
-        "stalls_cache_eviction": stalls.stalls(stalls.STALL_CACHE_EVICTION) if stalls else 0,
-        "stalls_busy": stalls.stalls(stalls.STALL_BUSY) if stalls else 0,
-        # Each multimodal cache's figures, as flat "mmcache|<role>|<field>..." keys.
-        **(cache_stats.flat_counts() if cache_stats else {}),
+        INTERNAL_ERRORS_COUNT.key: INTERNAL_ERRORS_COUNT.read(root),
+        **read_counts(loaded, root),
     }
 
 
@@ -346,7 +325,11 @@ def status() -> dict[str, Any]:
     from .core.process import process_label, vllm_version
 
     fixes = [slot.get() for slot in _SLOTS]
-    lru_fix, drift_fix, sentinel = fixes[0], fixes[1], fixes[5]
+    lru_fix, drift_fix, sentinel = (
+        _BY_NAME["LRU_EVICTION"].get(),
+        _BY_NAME["DRIFT_GUARD"].get(),
+        _BY_NAME["STALL_SENTINEL"].get(),
+    )
     lru = lru_fix.status()
     return {
         "schema_version": STATUS_SCHEMA,
@@ -368,7 +351,7 @@ def status() -> dict[str, Any]:
         "drift": drift_fix.status(),
         "stall_sentinel": sentinel.status(),
         "fixes": {fix.id: fix.status() for fix in fixes},
-        "internal_errors": _internal_errors(),
+        "internal_errors": internal_errors(),
         "patches": [{"id": a.patch_id, "target": a.target} for a in registry.applied()],
         "instance_patches": [
             {"id": pid, "target": what} for pid, what in registry.instance_changes()

@@ -352,7 +352,7 @@ def metrics_record(base_url: str, health_calls: int = 12) -> dict[str, Any]:
         "drift_events": plugin.get(names.DRIFT_EVENTS),
         "round_trips": plugin.get(f"{names.ROUND_TRIP_SECONDS}_count"),
         "round_trips_failed": sum(
-            v for k, v in plugin.items() if k.startswith(names.ROUND_TRIPS_FAILED)
+            v for k, v in plugin.items() if k.startswith(names.STUCK_HEALTH_CHECKS)
         ),
         "stalls": sum(v for k, v in plugin.items() if k.startswith(names.STALLS)),
         "internal_errors": sum(v for k, v in plugin.items() if k.startswith(names.INTERNAL_ERRORS)),

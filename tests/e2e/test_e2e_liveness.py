@@ -107,7 +107,7 @@ def test_a_busy_loop_stuck_in_one_step_fails_health_in_time(
     limit = health_load.STEP_TIMEOUT_S + health_load.DETECT_MARGIN_S
     assert stuck["detected_s"] is not None and stuck["detected_s"] <= limit, stuck
     assert stuck["recovered_s"] is not None, stuck
-    failed = stuck["metrics_while_stuck"][f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}']
+    failed = stuck["metrics_while_stuck"][f'{names.STUCK_HEALTH_CHECKS}{{engine="EngineCore"}}']
     assert failed >= 1, stuck
     scan = run["log_scan"]
     assert scan["loop_stuck"] == 1 and scan["answers_again"] >= 1, scan
@@ -146,7 +146,7 @@ def test_a_zero_token_livelock_fails_health_in_time(
     # Not before the progress timeout (the request waited that long), within the margin.
     assert health_load.PROGRESS_TIMEOUT_S <= livelock["detected_s"] <= limit, livelock
     assert livelock["recovered_s"] is not None and livelock["request"] == 200, livelock
-    failed = livelock["metrics_while_stuck"][f'{names.ROUND_TRIPS_FAILED}{{engine="EngineCore"}}']
+    failed = livelock["metrics_while_stuck"][f'{names.STUCK_HEALTH_CHECKS}{{engine="EngineCore"}}']
     assert failed >= 1, livelock
     assert run["log_scan"]["no_progress"] == 1, run["log_scan"]
 

@@ -59,7 +59,7 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-      - series: 'mmcache_fix_engine_round_trips_failed_total{instance="a",engine="EngineCore"}'
+      - series: 'mmcache_fix_engine_stuck_health_checks_total{instance="a",engine="EngineCore"}'
         values: "0x30"
     alert_rule_test:
       - eval_time: 20m

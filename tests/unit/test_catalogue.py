@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
+import ast
 import json
 
 from harness.paths import REPO_ROOT as REPO
 from vllm_mmcache_fix import catalogue, plugin, vllm_layout
+from vllm_mmcache_fix.core.declaration import patch_ids
 from vllm_mmcache_fix.drift_guard import fix as drift_fix
-from vllm_mmcache_fix.engine_liveness import answer as liveness_fix
-from vllm_mmcache_fix.engine_liveness import health as health_fix
 from vllm_mmcache_fix.lru_eviction import factory
 
 
-def test_every_patch_the_code_can_apply_is_catalogued() -> None:
-    ids = {spec.id for spec in catalogue.CATALOGUE}
-    code_ids = {factory.PATCH_FIX} | {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
-    code_ids |= {liveness_fix.PATCH_ID, health_fix.PATCH_ID, plugin.METRICS.id}
-    assert ids == code_ids
+def test_each_row_is_declared_by_the_fix_it_names() -> None:
+    for declaration in plugin.declarations():
+        for spec in declaration.patches:
+            assert spec.fix == declaration.fix_id, spec.id
+    ids = [spec.id for spec in catalogue.CATALOGUE]
+    assert len(ids) == len(set(ids))
+
+
+REGISTRY_CALLS = {"apply", "wrap", "set_instance_attr", "switch_class", "revert_patch"}
+
+
+def test_the_code_names_its_patch_ids_by_their_declared_constants() -> None:
+    """No ``registry`` call spells a patch id: each takes a name (the constant its fix's
+    ``owns.py`` declares), so an id lives in one place."""
+    spelled = []
+    for path in sorted((REPO / "vllm_mmcache_fix").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in REGISTRY_CALLS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "registry"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                spelled.append(f"{path.name}:{node.lineno}")
+    assert spelled == []
+
+
+def test_the_declared_patch_ids_are_the_codes() -> None:
+    assert factory.PATCH_FIX in patch_ids(plugin.declarations()[0])
+    drift = {drift_fix.patch_id(t.name) for t in vllm_layout.DRIFT_TARGETS}
+    assert drift == set(patch_ids(plugin.declarations()[1]))
+
+
+def test_each_declaration_is_its_fixs() -> None:
+    fixes = {fix.id: fix for fix in plugin.FIXES}
+    assert [d.fix_id for d in plugin.declarations()] == list(fixes)
 
 
 def test_each_row_names_its_fix_and_where_it_runs() -> None:

@@ -138,9 +138,12 @@ def test_check_reports_and_flags_every_setting() -> None:
     }
     data = as_json(cli("check", "--json", env=bad, cwd=Path("/")))
     rows = {row["name"]: row for row in data["settings"]}
-    from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, SETTINGS
+    from vllm_mmcache_fix import plugin
+    from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT
 
-    assert [s.name for s in SETTINGS] == [r["name"] for r in data["settings"] if r["known"]]
+    assert [s.name for s in plugin.settings()] == [
+        r["name"] for r in data["settings"] if r["known"]
+    ]
     assert rows["MMCACHE_FIX_HEALTH_TIMEOUT"]["effective"] == DEFAULT_HEALTH_TIMEOUT
     assert rows["MMCACHE_FIX_HEALTH_TIMEOUT"]["raw"] == "30s"
     for name in ("MMCACHE_FIX_HEALTH_TIMEOUT", "MMCACHE_FIX_STALL_SECONDS", "MMCACHE_FIX_DRIFT"):

@@ -85,7 +85,7 @@ def test_the_rules_use_only_exported_metrics_and_their_labels() -> None:
         labels = set(re.findall(r"\$labels\.(\w+)", notes))
         used |= check_expr(expr, labels)
         assert "vllm" not in re.sub(r"vllm:num_requests_running", "", expr), name
-    assert {names.MM_CACHE_TOO_LARGE, names.MM_CACHE_HITS, names.ROUND_TRIPS_FAILED} <= used
+    assert {names.MM_CACHE_TOO_LARGE, names.MM_CACHE_HITS, names.STUCK_HEALTH_CHECKS} <= used
 
 
 def test_the_dashboard_uses_only_exported_metrics_and_their_labels() -> None:

@@ -699,12 +699,12 @@ def test_warn_mode_keeps_the_engine_check_as_documented(
     """``MMCACHE_FIX_MODE=warn`` leaves the caches alone but keeps the stall detection: the
     words (the mode's docstring, the settings table ``check`` prints) say what the check
     does in that mode."""
-    from vllm_mmcache_fix.core.settings import SETTINGS
+    from vllm_mmcache_fix import plugin
 
     monkeypatch.setenv("MMCACHE_FIX_MODE", "warn")
     fix = health_fix.EngineHealth()
     fix._install()
     assert fix.liveness is not None and fix.timeout == DEFAULT_HEALTH_TIMEOUT
-    meaning = next(spec.meaning for spec in SETTINGS if spec.name == "MMCACHE_FIX_MODE")
+    meaning = next(spec.meaning for spec in plugin.settings() if spec.name == "MMCACHE_FIX_MODE")
     assert "warn: leave the caches" in meaning and "/health check" in meaning
     assert "patch nothing" not in meaning

@@ -70,7 +70,7 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     try:
         exporter.start()
         exporter.observe_round_trip("EngineCore", 0.004)
-        exporter.round_trip_failed("EngineCore")
+        exporter.health_check_failed("EngineCore")
         text = prom.generate_latest(prom.REGISTRY).decode()
     finally:
         exporter.unregister()
@@ -82,6 +82,8 @@ def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
         in text
     )
     assert 'mmcache_fix_protected_processes{kind="api_server"} 1.0' in text
+    assert 'mmcache_fix_engine_stuck_health_checks_total{engine="EngineCore"} 1.0' in text
+    # The former name, kept one release, has the same value.
     assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 1.0' in text
     assert "mmcache_fix_engine_round_trip_seconds_count 1.0" in text
     assert 'mmcache_fix_engine_last_answer_age_seconds{engine="EngineCore"} 2.0' in text
@@ -212,6 +214,7 @@ def test_two_api_servers_add_up_in_multiprocess_mode(tmp_path) -> None:
     # only series that were created).
     for spec in n.METRICS:
         assert f"# TYPE {spec.name.removesuffix('_total')}" in text, (spec.name, text)
+    assert 'mmcache_fix_engine_stuck_health_checks_total{engine="EngineCore"} 0.0' in text, text
     assert 'mmcache_fix_engine_round_trips_failed_total{engine="EngineCore"} 0.0' in text, text
     # The freshest answer any API server got (livemin), not a sum of ages.
     assert 'mmcache_fix_engine_last_answer_age_seconds{engine="EngineCore"} 1.5' in text, text

@@ -10,8 +10,8 @@ import re
 import vllm_mmcache_fix
 from harness.paths import REPO_ROOT
 from harness.readme import README, guide_blocks
-from vllm_mmcache_fix import vllm_layout
-from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, SETTINGS
+from vllm_mmcache_fix import plugin, vllm_layout
+from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT
 from vllm_mmcache_fix.metrics import names
 from vllm_mmcache_fix.tools import exits
 
@@ -61,7 +61,7 @@ def test_the_exit_code_table_is_the_code_table() -> None:
 
 def test_every_setting_is_in_the_settings_table() -> None:
     table = _section("Settings")
-    for spec in SETTINGS:
+    for spec in plugin.settings():
         row = re.search(rf"^\| `{spec.name}` \| `?([^|`]*)`? \|", table, re.M)
         assert row is not None, spec.name
         assert row.group(1).strip() == (spec.default or "unset"), spec.name

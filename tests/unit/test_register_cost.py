@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from harness.paths import REPO_ROOT
 from vllm_mmcache_fix import plugin, vllm_layout
 from vllm_mmcache_fix.core import imports
+from vllm_mmcache_fix.core.declaration import Declaration
 from vllm_mmcache_fix.core.lifecycle import Fix
 from vllm_mmcache_fix.core.records import frozen
 
@@ -140,6 +142,14 @@ def _write_module(tmp_path: Path, name: str) -> None:
     (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
 
 
+def _owns(monkeypatch: pytest.MonkeyPatch, build: Any) -> str:
+    """A throwaway ``owns`` module declaring the probe fix; its ``<module>:<attribute>``."""
+    module: Any = types.ModuleType("mmcache_fix_probe_owns")
+    module.DECLARATION = Declaration("probe-fix", lambda root: build())
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return f"{module.__name__}:DECLARATION"
+
+
 def test_a_fix_is_built_and_installed_when_its_trigger_is_imported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,7 +163,7 @@ def test_a_fix_is_built_and_installed_when_its_trigger_is_imported(
         return built[-1]
 
     monkeypatch.setitem(plugin.TRIGGERS, "probe-fix", (name,))
-    slot = plugin._Slot("probe-fix", "PROBE", build)
+    slot = plugin._Slot("probe-fix", "PROBE", _owns(monkeypatch, build))
     try:
         slot.install()
         slot.install()  # register() may run several times
@@ -170,7 +180,7 @@ def test_a_fix_is_built_and_installed_when_its_trigger_is_imported(
 
 def test_a_trigger_already_imported_builds_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(plugin.TRIGGERS, "probe-fix", ("json",))  # imported by now
-    slot = plugin._Slot("probe-fix", "PROBE", _ProbeFix)
+    slot = plugin._Slot("probe-fix", "PROBE", _owns(monkeypatch, _ProbeFix))
     try:
         slot.install()
         assert isinstance(slot.fix, _ProbeFix) and slot.fix.installs == 1
@@ -189,7 +199,7 @@ def test_a_fix_that_cannot_load_leaves_the_import_working(
         raise ImportError("a module missing from the wheel")
 
     monkeypatch.setitem(plugin.TRIGGERS, "probe-fix", (name,))
-    slot = plugin._Slot("probe-fix", "PROBE", broken)
+    slot = plugin._Slot("probe-fix", "PROBE", _owns(monkeypatch, broken))
     monkeypatch.setattr(plugin, "_SLOTS", (*plugin._SLOTS, slot))
     errors_before = plugin.counts()["internal_errors"]
     try:

@@ -111,7 +111,7 @@ def test_failing_round_trips_mean_stuck(server: Server, exporter) -> None:
     exp = exporter()
 
     def health() -> tuple[int, float]:
-        exp.round_trip_failed("EngineCore")  # what the plugin does when the engine is silent
+        exp.health_check_failed("EngineCore")  # what the plugin does when the engine is silent
         return 503, 0.0
 
     server.health = health
@@ -126,7 +126,7 @@ def test_a_failure_long_ago_is_not_stuck(server: Server, exporter) -> None:
     """The failure counter is cumulative: an engine that failed once, an hour ago, and
     answers now is not stuck."""
     exp = exporter()
-    exp.round_trip_failed("EngineCore")
+    exp.health_check_failed("EngineCore")
     report = read_status(server.url, settle=0.1)
     assert report.verdict.value == "protected", report.summary
     assert report.engines["EngineCore"]["round_trips_failed_after"] == 1
@@ -184,7 +184,7 @@ def test_nothing_listening_is_unreachable() -> None:
 def test_the_plain_reader_matches_prometheus_client(exporter) -> None:
     """Without prometheus_client (a debug container) the same samples are read."""
     exp = exporter()
-    exp.round_trip_failed('Engine "quoted"')
+    exp.health_check_failed('Engine "quoted"')
     text = prom.generate_latest(prom.REGISTRY).decode()
     assert _parse_plain(text) == parse_metrics(text)
     assert any(name == n.BUILD_INFO for name, _ in parse_metrics(text))

@@ -18,7 +18,7 @@ from vllm_mmcache_fix import vllm_layout
 VLLM_PATH = re.compile(r"^vllm[./](multimodal|utils|v1|entrypoints|engine)\b")
 FACTS = {vllm_layout.MM_CACHE_FACTORY}
 
-OWNERS = {"vllm_layout.py", "catalogue.py"}  # the table itself, and the documentation rows
+OWNERS = {"vllm_layout.py", "owns.py"}  # the table itself, and the catalogue rows of each fix
 CONSUMERS = (
     "vllm_mmcache_fix.lru_eviction.locate",
     "vllm_mmcache_fix.drift_guard.fix",

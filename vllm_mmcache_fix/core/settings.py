@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .records import frozen
@@ -242,7 +242,7 @@ class SettingSpec:
     read: Callable[[Mapping[str, str]], Reading]
 
 
-def _choice_reader(
+def choice_reader(
     reader: Callable[[Mapping[str, str] | None], Setting[Any]],
 ) -> Callable[[Mapping[str, str]], Reading]:
     def read(environ: Mapping[str, str]) -> Reading:
@@ -252,7 +252,7 @@ def _choice_reader(
     return read
 
 
-def _float_reader(
+def float_reader(
     reader: Callable[[Mapping[str, str] | None], FloatSetting],
 ) -> Callable[[Mapping[str, str]], Reading]:
     def read(environ: Mapping[str, str]) -> Reading:
@@ -262,52 +262,17 @@ def _float_reader(
     return read
 
 
-SETTINGS: tuple[SettingSpec, ...] = (
+SETTINGS_BEFORE_FIXES: tuple[SettingSpec, ...] = (
     SettingSpec(
         ENV_MODE,
         DEFAULT_MODE.value,
         "on | warn | off",
         "on: patch the multimodal caches; warn: leave the caches as vLLM has them, warn when "
         "exposed, keep the stall detection (/health check, sentinel, metrics); off: nothing",
-        _choice_reader(read_mode),
+        choice_reader(read_mode),
     ),
-    SettingSpec(
-        ENV_DRIFT,
-        DEFAULT_DRIFT.value,
-        "on | recover | off",
-        "the API server's sender-cache guard: undo rejected requests and recover, "
-        "recover only, or off",
-        _choice_reader(read_drift_mode),
-    ),
-    SettingSpec(
-        ENV_HEALTH_TIMEOUT,
-        f"{DEFAULT_HEALTH_TIMEOUT:g}",
-        "seconds >= 0",
-        "/health fails when an EngineCore has not answered for this long; 0: off",
-        _float_reader(read_health_timeout),
-    ),
-    SettingSpec(
-        ENV_STEP_TIMEOUT,
-        f"{DEFAULT_STEP_TIMEOUT:g}",
-        f"seconds >= {MIN_HEALTH_TIMEOUT:g}",
-        f"/health fails when one EngineCore step has run this long (default: {VLLM_STEP_TIMEOUT} "
-        f"or {DEFAULT_STEP_TIMEOUT:g})",
-        _float_reader(read_step_timeout),
-    ),
-    SettingSpec(
-        ENV_PROGRESS_TIMEOUT,
-        f"{DEFAULT_PROGRESS_TIMEOUT:g}",
-        "seconds 30-600; 0 = off",
-        "/health fails when an EngineCore has made no net progress this long while requests wait",
-        _float_reader(read_progress_timeout),
-    ),
-    SettingSpec(
-        ENV_STALL_SECONDS,
-        f"{DEFAULT_STALL_SECONDS:g}",
-        "seconds >= 0",
-        "the stall sentinel reports a thread stuck burning a core this long; 0: off",
-        _float_reader(read_stall_seconds),
-    ),
+)
+SETTINGS_AFTER_FIXES: tuple[SettingSpec, ...] = (
     SettingSpec(
         ENV_FAIL_AT,
         "",
@@ -323,8 +288,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
         _read_patches_dir,
     ),
 )
-"""Every ``MMCACHE_FIX_*`` setting: ``check`` reports and validates each row. A new setting
-gets a row here (``tests/unit/test_settings_table.py`` fails until it has one)."""
+"""The settings of the plugin as a whole; each fix declares its own (``<fix>/owns.py``) and
+``plugin.settings()`` lists them all, in this order, for ``check``. A new ``ENV_*`` name
+gets a row somewhere (``tests/unit/test_settings_table.py`` fails until it has one)."""
 
 
 def setting_names() -> list[str]:
@@ -349,13 +315,19 @@ class SettingReport:
     known: bool = True
 
 
-def report_settings(environ: Mapping[str, str] | None = None) -> list[SettingReport]:
-    """Every setting (known, or ``MMCACHE_FIX_*`` in the environment) with its effective
-    value and the problem with it, if any. An unknown ``MMCACHE_FIX_*`` name is reported:
-    a typo would otherwise be ignored silently."""
+def report_settings(
+    environ: Mapping[str, str] | None = None, specs: Sequence[SettingSpec] | None = None
+) -> list[SettingReport]:
+    """Every setting (``specs``, by default ``plugin.settings()``, or ``MMCACHE_FIX_*`` in the
+    environment) with its effective value and the problem with it, if any. An unknown
+    ``MMCACHE_FIX_*`` name is reported: a typo would otherwise be ignored silently."""
     env = os.environ if environ is None else environ
+    if specs is None:
+        from .. import plugin
+
+        specs = plugin.settings()
     rows: list[SettingReport] = []
-    for spec in SETTINGS:
+    for spec in specs:
         raw = env.get(spec.name)
         try:
             reading = spec.read(env)
@@ -364,7 +336,7 @@ def report_settings(environ: Mapping[str, str] | None = None) -> list[SettingRep
         rows.append(
             SettingReport(spec.name, raw, reading.value, spec.default, spec.values, reading.problem)
         )
-    listed = {spec.name for spec in SETTINGS}
+    listed = {spec.name for spec in specs}
     for name in setting_names():
         if name not in listed:
             # A setting defined above without a row yet: reported, not validated.

@@ -17,10 +17,11 @@ from ..vllm_layout import SENDER_LRU_ATTR
 from . import state
 from .context import scope
 from .journal import Shadow
+from .owns import patch_id
 from .state import ERRORS, STATE
 from .stats import STATS
 
-PATCH_ID = "mm-drift-sender"
+PATCH_ID = patch_id("sender")
 SHADOW_ATTR = "_mmcache_fix_drift"
 _UNSUPPORTED = False  # stored in the instance when its cache cannot be tracked
 

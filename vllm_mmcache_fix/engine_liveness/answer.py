@@ -60,9 +60,10 @@ from .busy_loop import (
     LoopState,
     Phase,
 )
+from .owns import ANSWER_ID
 from .progress import SCHEDULER_ATTR, Progress
 
-PATCH_ID = "engine-liveness-answer"
+PATCH_ID = ANSWER_ID
 ENGINE_ATTR = "_mmcache_fix_liveness"
 """Set on each adopted engine (through the registry, so revert removes it)."""
 

@@ -39,8 +39,9 @@ from ..vllm_layout import (
     HEALTH_TARGET,
 )
 from .heartbeat import PING_INTERVAL_S, Liveness, accepts_engine
+from .owns import HEALTH_ID
 
-PATCH_ID = "engine-liveness-health"
+PATCH_ID = HEALTH_ID
 
 
 class EngineHealth(Fix):

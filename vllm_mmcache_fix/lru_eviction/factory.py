@@ -16,8 +16,8 @@ from ..core.signatures import SignatureMismatch, reader
 from . import stats
 from .cache import is_fixed
 from .locate import FACTORY, CacheFactory
+from .owns import PATCH_FIX as PATCH_FIX
 
-PATCH_FIX = "mm-lru-eviction"
 PATCH_OBSERVE = "mm-lru-observe"
 
 # on_build(cache, capacity_gb) -> the cache to return to vLLM

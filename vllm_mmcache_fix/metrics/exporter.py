@@ -17,10 +17,11 @@ interval; only :data:`MAX_FAILED_SYNCS` failures in a row stop the thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.declaration import Count, Declaration
 from ..lru_eviction import stats as cache_stats
 from . import names as n
 
@@ -31,23 +32,6 @@ MAX_FAILED_SYNCS = 30
 Labels = tuple[tuple[str, str], ...]
 Update = tuple[str, Labels, str, float]
 """(metric name, labels, ``"inc"`` or ``"set"``, amount)."""
-
-_COUNTS_OF_PROCESS: tuple[tuple[str, str, Labels], ...] = (
-    ("ghost_keys_dropped", n.CACHE_REPAIRS, (("repair", n.REPAIR_GHOST),)),
-    ("orphans_restored", n.CACHE_REPAIRS, (("repair", n.REPAIR_ORPHAN),)),
-    ("internal_errors", n.INTERNAL_ERRORS, ()),
-    ("stalls_cache_eviction", n.STALLS, (("cause", n.CAUSE_CACHE_EVICTION),)),
-    ("stalls_busy", n.STALLS, (("cause", n.CAUSE_BUSY),)),
-)
-"""(count key, metric, labels besides ``process``) for counts every process has."""
-
-_COUNTS_OF_API_SERVER: tuple[tuple[str, str], ...] = (
-    ("drift_events", n.DRIFT_EVENTS),
-    ("rollbacks", n.ROLLBACKS),
-    ("recoveries", n.RECOVERIES),
-    ("recovery_failures", n.RECOVERY_FAILURES),
-)
-
 
 _CACHE_GAUGES = {
     "bytes": n.MM_CACHE_BYTES,
@@ -86,31 +70,38 @@ def plan(
     local: Mapping[str, Any],
     engines: Iterable[Mapping[str, Any]] | None,
     ages: Mapping[str, float] | None = None,
+    declarations: Sequence[Declaration] | None = None,
 ) -> list[Update]:
     """The updates that bring the metrics to ``local`` (this API server's counts),
     ``engines`` (EngineCore's counts, one mapping per engine; None when this API server does
-    not export them) and ``ages`` (seconds since each engine last answered, by name)."""
+    not export them) and ``ages`` (seconds since each engine last answered, by name).
+    Each declared count feeds its metric's series (``declarations``: every fix's by default)."""
     updates: list[Update] = []
+    table = n.all_counts(declarations)
+    gauge_names = {spec.name for spec in n.all_metrics(declarations) if spec.kind == "gauge"}
 
     def counter(metric: str, labels: Labels, value: float) -> None:
         # An increase of 0 still creates the series, so /metrics shows it at 0.
         updates.append((metric, labels, "inc", deltas.increase(metric, labels, value)))
 
-    process = (("process", n.KIND_API_SERVER),)
-    for key, metric, extra in _COUNTS_OF_PROCESS:
-        counter(metric, process + extra, _num(local, key))
-    for key, metric in _COUNTS_OF_API_SERVER:
-        counter(metric, (), _num(local, key))
-    updates.append(
-        (n.PROTECTED_PROCESSES, (("kind", n.KIND_API_SERVER),), "set", _num(local, "protected"))
-    )
+    def export(count: Count, labels: Labels, value: float) -> None:
+        if count.metric in gauge_names:
+            updates.append((count.metric, labels, "set", value))
+        else:
+            counter(count.metric, labels, value)
+
+    for count in table:
+        if count.process_label:
+            labels = ((count.process_label, n.KIND_API_SERVER), *count.labels)
+        else:
+            labels = count.labels
+        export(count, labels, _num(local, count.key))
     if engines is not None:
         engines = list(engines)
-        process = (("process", n.KIND_ENGINE_CORE),)
-        for key, metric, extra in _COUNTS_OF_PROCESS:
-            counter(metric, process + extra, sum(_num(e, key) for e in engines))
-        protected = sum(_num(e, "protected") for e in engines)
-        updates.append((n.PROTECTED_PROCESSES, (("kind", n.KIND_ENGINE_CORE),), "set", protected))
+        for count in table:
+            if count.process_label:
+                labels = ((count.process_label, n.KIND_ENGINE_CORE), *count.labels)
+                export(count, labels, sum(_num(e, count.key) for e in engines))
     for engine, age in sorted((ages or {}).items()):
         updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
     gauges: set[tuple[str, Labels]] = set()
@@ -169,8 +160,13 @@ class Exporter:
         engines: Callable[[], list[Mapping[str, Any]] | None],
         on_error: Callable[[BaseException], None],
         ages: Callable[[], Mapping[str, float] | None] = lambda: None,
+        declarations: Sequence[Declaration] | None = None,
     ) -> None:
         self.local = local
+        self.declarations = declarations
+        """The fixes whose counts and metrics are exported (None: every fix of ``plugin``)."""
+        self.aliases: dict[str, str] = {}
+        """Metric -> its deprecated former name, exported with the same value."""
         self.engines = engines
         self.ages = ages
         self.on_error = on_error
@@ -209,18 +205,24 @@ class Exporter:
 
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         made: dict[str, Any] = {}
-        for spec in n.METRICS:
-            if spec.kind == "counter":
-                made[spec.name] = prom.Counter(spec.name, spec.help, list(spec.labels))
-            elif spec.kind == "gauge":
-                mode: Any = spec.multiprocess_mode
-                made[spec.name] = prom.Gauge(
-                    spec.name, spec.help, list(spec.labels), multiprocess_mode=mode
-                )
-            else:
-                made[spec.name] = prom.Histogram(
-                    spec.name, spec.help, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
-                )
+        for spec in n.all_metrics(self.declarations):
+            names = [(spec.name, spec.help)]
+            if spec.deprecated_alias:
+                help_text = n.alias_help(spec)
+                names.append((spec.deprecated_alias, help_text))
+                self.aliases[spec.name] = spec.deprecated_alias
+            for name, help_text in names:
+                if spec.kind == "counter":
+                    made[name] = prom.Counter(name, help_text, list(spec.labels))
+                elif spec.kind == "gauge":
+                    mode: Any = spec.multiprocess_mode
+                    made[name] = prom.Gauge(
+                        name, help_text, list(spec.labels), multiprocess_mode=mode
+                    )
+                else:
+                    made[name] = prom.Histogram(
+                        name, help_text, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
+                    )
         self.metrics = made
         from .. import __version__
         from ..core.process import vllm_version
@@ -269,14 +271,16 @@ class Exporter:
                     return
                 local, engines, ages = self.local(), self.engines(), self.ages()
                 planned = Deltas(dict(self.deltas.seen), set(self.deltas.gauges))
-                for metric, labels, op, amount in plan(planned, local, engines, ages):
-                    child = self._child(metric, labels)
+                updates = plan(planned, local, engines, ages, self.declarations)
+                for metric, labels, op, amount in updates:
+                    for child in self._children(metric, labels):
+                        if op == "inc":
+                            child.inc(amount)
+                        else:
+                            child.set(amount)
                     if op == "inc":
-                        child.inc(amount)
                         key = (metric, labels)
                         self.deltas.seen[key] = planned.seen[key]
-                    else:
-                        child.set(amount)
                 self.deltas.gauges = planned.gauges
                 self.failures_in_a_row = 0
         except Exception as exc:
@@ -290,17 +294,24 @@ class Exporter:
             self._stop.set()
             self.on_error(exc)
 
-    def _child(self, metric: str, labels: Labels) -> Any:
-        obj = self.metrics[metric]
-        return obj.labels(**dict(labels)) if labels else obj
+    def _children(self, metric: str, labels: Labels) -> list[Any]:
+        """The series of ``metric`` with ``labels``, and of its deprecated alias if any."""
+        children = []
+        for name in (metric, self.aliases.get(metric)):
+            if name is not None:
+                obj = self.metrics[name]
+                children.append(obj.labels(**dict(labels)) if labels else obj)
+        return children
 
     def observe_round_trip(self, engine: str, seconds: float) -> None:
         if self.started:
             self.metrics[n.ROUND_TRIP_SECONDS].observe(seconds)
-            # The engine's failure counter exists from its first answer on, at 0: a labelled
+            # The engine's stuck-check counter exists from its first answer on, at 0: a labelled
             # series nobody touched is missing from /metrics with PROMETHEUS_MULTIPROC_DIR.
-            self.metrics[n.ROUND_TRIPS_FAILED].labels(engine=engine)
+            self._children(n.STUCK_HEALTH_CHECKS, (("engine", engine),))
 
-    def round_trip_failed(self, engine: str) -> None:
+    def health_check_failed(self, engine: str) -> None:
+        """A ``/health`` check failed because ``engine`` was stuck."""
         if self.started:
-            self.metrics[n.ROUND_TRIPS_FAILED].labels(engine=engine).inc()
+            for child in self._children(n.STUCK_HEALTH_CHECKS, (("engine", engine),)):
+                child.inc()

@@ -7,10 +7,11 @@ comes first; never in a process that serves nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core import signals
+from ..core.declaration import Declaration
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.settings import Mode, read_mode
 from ..vllm_layout import METRICS_ROUTE_MODULES
@@ -27,9 +28,10 @@ class PluginMetrics(Fix):
         local: Callable[[], Mapping[str, Any]],
         engines: Callable[[], list[Mapping[str, Any]] | None],
         ages: Callable[[], Mapping[str, float] | None] = lambda: None,
+        declarations: Sequence[Declaration] | None = None,
     ) -> None:
         super().__init__()
-        self.exporter = Exporter(local, engines, self._sync_failed, ages)
+        self.exporter = Exporter(local, engines, self._sync_failed, ages, declarations)
         self._site = self.errors.site("metrics.start")
         self._reset()
 
@@ -41,12 +43,12 @@ class PluginMetrics(Fix):
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         signals.API_SERVER_SERVING.connect(self.start)
         signals.ENGINE_ANSWERED.connect(self.observe_round_trip)
-        signals.ENGINE_HEALTH_FAILED.connect(self.round_trip_failed)
+        signals.ENGINE_HEALTH_FAILED.connect(self.health_check_failed)
 
     def _uninstall(self) -> None:
         signals.API_SERVER_SERVING.disconnect(self.start)
         signals.ENGINE_ANSWERED.disconnect(self.observe_round_trip)
-        signals.ENGINE_HEALTH_FAILED.disconnect(self.round_trip_failed)
+        signals.ENGINE_HEALTH_FAILED.disconnect(self.health_check_failed)
         self.exporter.unregister()
 
     def _status(self) -> dict[str, Any]:
@@ -75,9 +77,9 @@ class PluginMetrics(Fix):
         with self._site:
             self.exporter.observe_round_trip(engine, seconds)
 
-    def round_trip_failed(self, engine: str) -> None:
+    def health_check_failed(self, engine: str) -> None:
         with self._site:
-            self.exporter.round_trip_failed(engine)
+            self.exporter.health_check_failed(engine)
 
     def _sync_failed(self, exc: BaseException) -> None:
         """The exporter gave up after a long run of failed syncs (a persistent error)."""

@@ -202,7 +202,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for kind, count in sorted(report.protected.items()):
         print(f"protected         {kind}: {count:g}")
     for engine, data in sorted(report.engines.items()):
-        parts = [f"failed round trips {data['round_trips_failed_after']:g}"]
+        parts = [f"stuck /health checks {data['round_trips_failed_after']:g}"]
         if data["last_answer_age_s"] is not None:
             parts.append(f"last answer {data['last_answer_age_s']:.1f} s ago")
         print(f"engine            {engine}: {', '.join(parts)}")

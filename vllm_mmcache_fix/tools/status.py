@@ -7,7 +7,8 @@ Reads the server's own ``/metrics`` (the plugin's series, ``metrics/names.py``),
 - ``stuck``: an EngineCore does not answer. The evidence, any one of: ``/health`` answered
   503 (the plugin's verdict from its heartbeat: it never waits on EngineCore) or did not
   answer in ``timeout`` seconds while ``/metrics`` did; the plugin's
-  ``mmcache_fix_engine_round_trips_failed_total`` rose for an engine between the two reads;
+  ``mmcache_fix_engine_stuck_health_checks_total`` (or its former name) rose for an engine
+  between the two reads;
   ``mmcache_fix_engine_last_answer_age_seconds``, where the server has it, above
   ``stuck_after`` seconds and still growing;
 - ``unprotected``: no ``mmcache_fix_*`` series at all: the API server did not load the
@@ -310,8 +311,13 @@ def decide(
         if any(s == name for s, _ in after)
     }
 
-    failed_before = _series(before, n.ROUND_TRIPS_FAILED, "engine")
-    failed_after = _series(after, n.ROUND_TRIPS_FAILED, "engine")
+    # A server whose plugin predates the rename has the former name only.
+    failed_before = _series(before, n.STUCK_HEALTH_CHECKS, "engine") or _series(
+        before, n.DEPRECATED_ROUND_TRIPS_FAILED, "engine"
+    )
+    failed_after = _series(after, n.STUCK_HEALTH_CHECKS, "engine") or _series(
+        after, n.DEPRECATED_ROUND_TRIPS_FAILED, "engine"
+    )
     age_before = _series(before, n.ENGINE_LAST_ANSWER_AGE, "engine")
     age_after = _series(after, n.ENGINE_LAST_ANSWER_AGE, "engine")
     for engine in sorted(set(failed_after) | set(age_after)):
