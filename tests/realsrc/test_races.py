@@ -1,7 +1,7 @@
 """A cache reset racing the input thread, on the real vLLM ``LRUCache``.
 
 The trials run in subprocesses pinned to one cachetools release each (see
-harness/bench/race_probe.py, ``scripts/race-probe``, which also measures the unpatched
+harness/programs/bench/race_probe.py, ``scripts/race-probe``, which also measures the unpatched
 class and the cost of a lock). Here only the properties that must hold every time are asserted: the
 fixed class never freezes, and whatever state the race leaves is consistent again
 after one more full eviction; the locked prototype also lets no exception escape.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from harness import realsrc
-from harness.bench import race_probe
+from harness.programs.bench import race_probe
 from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
 TRIALS = int(os.environ.get("MMCACHE_FIX_RACE_TRIALS", "10"))

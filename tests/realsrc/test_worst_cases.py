@@ -1,6 +1,6 @@
 """Worst cases of the fixed LRU on the real vLLM ``LRUCache`` classes.
 
-Timings are printed by ``scripts/worst-cases`` (harness/bench/worst_cases.py); here
+Timings are printed by ``scripts/worst-cases`` (harness/programs/bench/worst_cases.py); here
 only completion, results and operation counts are checked, never wall time.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from harness import realsrc
-from harness.bench import worst_cases
+from harness.programs.bench import worst_cases
 from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.34.0")

@@ -64,7 +64,7 @@ def test_newest_sources_checked_is_the_newest_fetched_release() -> None:
 
 
 def test_newest_server_checked_is_the_newest_passing_matrix_row() -> None:
-    from harness import matrix
+    from harness.programs import matrix
 
     passing = [v for v, rec in matrix.load()["releases"].items() if rec["status"] == "pass"]
     assert catalogue.NEWEST_SERVER_CHECKED == max(passing, key=matrix.version_key)

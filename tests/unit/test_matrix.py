@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from harness import matrix
 from harness.paths import REPO_ROOT
+from harness.programs import matrix
 
 
 def test_readme_table_is_what_the_matrix_file_renders() -> None:
