@@ -4,7 +4,6 @@ See ``harness.inside_vllm.inject``."""
 
 from __future__ import annotations
 
-import importlib.abc
 import os
 import runpy
 import sys
@@ -163,34 +162,10 @@ TARGETS: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_then_inject(module: ModuleType) -> None:
-            exec_module(module)
-            TARGETS[name](module)
-
-        spec.loader.exec_module = exec_then_inject  # type: ignore[method-assign]
-        return spec
-
-
 if FORK:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-for _name, _inject in TARGETS.items():
-    if _name in sys.modules:
-        _inject(sys.modules[_name])
-sys.meta_path.insert(0, _Finder())
+_HOOKS = Path(__file__).resolve().parents[2] / "import_hook.py"
+runpy.run_path(str(_HOOKS))["after_import"](TARGETS)
 
 # Another sitecustomize later on the path (harness.inside_vllm.cpu_mrope's) still runs.
 _here = Path(__file__).resolve().parent

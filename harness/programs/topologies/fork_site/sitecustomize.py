@@ -10,9 +10,10 @@ hook so that once it has run, the start method the harness asked for
 
 from __future__ import annotations
 
-import importlib.abc
 import os
+import runpy
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -46,30 +47,6 @@ def _wrap_hook(module: ModuleType) -> None:
     cls.check_and_update_config = classmethod(check_and_update_config)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TARGET:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_then_wrap(module: ModuleType) -> None:
-            exec_module(module)
-            _wrap_hook(module)
-
-        spec.loader.exec_module = exec_then_wrap  # type: ignore[method-assign]
-        return spec
-
-
 if os.environ.get(WANTED_ENV):
-    if TARGET in sys.modules:
-        _wrap_hook(sys.modules[TARGET])
-    else:
-        sys.meta_path.insert(0, _Finder())
+    _HOOKS = Path(__file__).resolve().parents[3] / "inside_vllm" / "import_hook.py"
+    runpy.run_path(str(_HOOKS))["after_import"]({TARGET: _wrap_hook})
