@@ -43,7 +43,7 @@ from pathlib import Path
 from harness.paths import cache_root
 from vllm_mmcache_fix import vllm_layout as lay
 
-VLLM_VERSIONS: tuple[str, ...] = (
+LISTED_VLLM_VERSIONS: tuple[str, ...] = (
     "0.10.0", "0.10.1.1", "0.10.2",
     "0.11.0", "0.11.1", "0.11.2",
     "0.12.0", "0.13.0",
@@ -64,6 +64,9 @@ VLLM_VERSIONS: tuple[str, ...] = (
     "0.34.0",
 )  # fmt: skip
 
+"""Every vLLM release the project knows: the one place a new release is added (its
+realsrc tests, the release matrix and the newest-release checks follow from it)."""
+
 EXTRA_RELEASES_ENV = "MMCACHE_FIX_EXTRA_RELEASES"
 """Comma-separated releases added after ``VLLM_VERSIONS`` for one run (``scripts/new-release``
 sets it to run the realsrc tier on a release this list does not name yet)."""
@@ -73,7 +76,7 @@ def _extra_releases() -> tuple[str, ...]:
     extra = []
     for raw in os.environ.get(EXTRA_RELEASES_ENV, "").split(","):
         version = raw.strip()
-        if not version or version in VLLM_VERSIONS:
+        if not version or version in LISTED_VLLM_VERSIONS:
             continue
         if not re.fullmatch(r"\d+(\.\d+){1,3}", version):
             print(
@@ -85,7 +88,7 @@ def _extra_releases() -> tuple[str, ...]:
     return tuple(extra)
 
 
-VLLM_VERSIONS = VLLM_VERSIONS + _extra_releases()
+VLLM_VERSIONS: tuple[str, ...] = LISTED_VLLM_VERSIONS + _extra_releases()
 
 CACHETOOLS_VERSIONS: tuple[str, ...] = ("5.5.2", "6.2.0", "7.3.3", "8.0.2")
 

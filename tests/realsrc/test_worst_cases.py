@@ -12,9 +12,10 @@ import pytest
 
 from harness import realsrc
 from harness.programs.bench import worst_cases
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
-VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.34.0")
+VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", NEWEST)
 ALL_PINNED = "All items are pinned, cannot remove oldest from the cache."
 
 
@@ -47,7 +48,7 @@ def test_insert_with_100k_data_only_keys(version: str) -> None:
 
 @pytest.mark.parametrize("wall", ["ghost_wall", "orphan_wall"])
 def test_repair_work_grows_linearly(wall: str) -> None:
-    cls = _classes("0.34.0")[1]
+    cls = _classes(NEWEST)[1]
     fn = getattr(worst_cases, wall)
     ops = {n: fn(cls, n, counting=True).operations for n in (1_000, 10_000, 100_000)}
     for n, count in ops.items():
