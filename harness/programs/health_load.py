@@ -58,6 +58,7 @@ from harness.payloads import chat_payload, make_png
 from harness.programs import incident
 from harness.programs.health import parse_metrics
 from harness.programs.matrix import plugin_commit
+from harness.records import DocBlock, write_json
 from harness.server import Server, preload_env
 from harness.venvs import (
     complete_venv,
@@ -650,10 +651,7 @@ def load_results(path: Path = RESULTS) -> dict[str, Any]:
 
 
 def save_results(data: dict[str, Any], path: Path = RESULTS) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_json(path, data, sort_keys=True)
 
 
 def execute(key: str, wheel: Path, lock: ServerLock) -> Run:
@@ -717,7 +715,8 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------- the doc
 
 DOC = REPO_ROOT / "docs" / "health.md"
-BEGIN, END = "<!-- health-load:begin -->", "<!-- health-load:end -->"
+BLOCK = DocBlock("health-load")
+BEGIN, END = BLOCK.begin, BLOCK.end
 
 
 def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bool]:
@@ -841,20 +840,14 @@ def render_table(data: dict[str, Any]) -> str:
 
 
 def render_block(data: dict[str, Any]) -> str:
-    return f"{BEGIN}\n{render_table(data)}\n{END}"
+    return BLOCK.wrap(render_table(data))
 
 
-def doc_block(text: str) -> str | None:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < 0:
-        return None
-    return text[start : end + len(END)]
+doc_block = BLOCK.find
 
 
 def write_doc(data: dict[str, Any], path: Path = DOC) -> bool:
-    text = path.read_text()
-    block = doc_block(text)
-    if block is None:
+    if doc_block(path.read_text()) is None:
         return False
-    path.write_text(text.replace(block, render_block(data)))
+    BLOCK.rewrite(path, render_table(data))
     return True

@@ -41,14 +41,15 @@ from typing import Any
 from harness import sources
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
+from harness.records import DocBlock, load_record, write_json
 from harness.rotation import rotate
 from harness.venvs import DEFAULT_VERSIONS as SHARED_VENVS
 
 MATRIX_FILE = REPO_ROOT / "compat" / "matrix.json"
 README = REPO_ROOT / "docs" / "evidence.md"
 """Where the generated table lives (the README links to it)."""
-BEGIN = "<!-- matrix:begin -->"
-END = "<!-- matrix:end -->"
+BLOCK = DocBlock("matrix")
+BEGIN, END = BLOCK.begin, BLOCK.end
 SCHEMA = 1
 
 PRIORITY: tuple[str, ...] = ("0.11.0", "0.13.0", "0.15.1", "0.18.1", "0.19.1", "0.21.0")
@@ -120,23 +121,12 @@ def plugin_tree_dirty() -> bool:
 
 
 def load(path: Path = MATRIX_FILE) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        data = {"schema": SCHEMA, "releases": {}}
-    data.setdefault("releases", {})
-    return data
+    return load_record(path, SCHEMA, "releases")
 
 
 def save(data: dict[str, Any], path: Path = MATRIX_FILE) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     ordered = dict(sorted(data["releases"].items(), key=lambda kv: version_key(kv[0])))
-    out = {"schema": SCHEMA, "releases": ordered}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, sort_keys=False) + "\n")
-    tmp.replace(path)
+    write_json(path, {"schema": SCHEMA, "releases": ordered})
 
 
 # ----------------------------------------------------------------------------- one run
@@ -483,27 +473,14 @@ def render_table(data: dict[str, Any]) -> str:
 
 
 def render_block(data: dict[str, Any]) -> str:
-    return f"{BEGIN}\n{render_table(data)}\n{END}"
+    return BLOCK.wrap(render_table(data))
 
 
-def readme_block(text: str) -> str | None:
-    start = text.find(BEGIN)
-    end = text.find(END)
-    if start < 0 or end < start:
-        return None
-    return text[start : end + len(END)]
+readme_block = BLOCK.find
 
 
 def rewrite_readme(data: dict[str, Any], path: Path = README) -> bool:
-    text = path.read_text()
-    old = readme_block(text)
-    if old is None:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block")
-    new_text = text.replace(old, render_block(data))
-    if new_text != text:
-        path.write_text(new_text)
-        return True
-    return False
+    return BLOCK.rewrite(path, render_table(data))
 
 
 # ----------------------------------------------------------------------------- main

@@ -35,6 +35,7 @@ from harness.logscan import plugin_lines
 from harness.paths import REPO_ROOT
 from harness.paths import log_path as new_log_path
 from harness.payloads import image_part, make_png
+from harness.records import write_json
 from harness.server import SERVED_NAME, Server
 from harness.venvs import (
     PLUGIN_DIST,
@@ -169,9 +170,7 @@ def load(path: Path | None) -> dict[str, Any]:
 def save(path: Path | None, data: dict[str, Any]) -> None:
     if path is None:
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path, data)
 
 
 def record(run: PoolingRun, commit: str) -> dict[str, Any]:

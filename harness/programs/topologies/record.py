@@ -10,7 +10,6 @@ any point and a rerun goes on where it stopped (:func:`runs_wanted`).
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from harness.paths import REPO_ROOT
 from harness.programs.matrix import version_key
 from harness.programs.topologies.shapes import BY_NAME, POOLING, SHAPES, Shape
+from harness.records import load_record, write_json
 
 FILE = REPO_ROOT / "compat" / "topologies.json"
 SCHEMA = 1
@@ -31,14 +31,7 @@ over the pooling run (1,000 requests reusing four 448 x 448 images)."""
 
 
 def load(path: Path = FILE) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        data = {"schema": SCHEMA, "rows": {}}
-    data.setdefault("rows", {})
-    return data
+    return load_record(path, SCHEMA, "rows")
 
 
 def save(data: dict[str, Any], path: Path = FILE) -> None:
@@ -49,11 +42,7 @@ def save(data: dict[str, Any], path: Path = FILE) -> None:
             data["rows"].items(), key=lambda kv: order.get(kv[0], len(order))
         )
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"schema": SCHEMA, "rows": rows}, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path, {"schema": SCHEMA, "rows": rows})
 
 
 def add_run(

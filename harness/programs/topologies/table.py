@@ -18,13 +18,14 @@ from harness.paths import REPO_ROOT
 from harness.programs.matrix import version_key
 from harness.programs.topologies.record import steps_text, stuck_text
 from harness.programs.topologies.shapes import SHAPES, VERSIONS, Shape
+from harness.records import DocBlock
 
 DOC = REPO_ROOT / "docs" / "topologies.md"
-BEGIN = "<!-- topologies:begin -->"
-END = "<!-- topologies:end -->"
+BLOCK = DocBlock("topologies")
+BEGIN, END = BLOCK.begin, BLOCK.end
 README = REPO_ROOT / "README.md"
-SUMMARY_BEGIN = "<!-- topologies-summary:begin -->"
-SUMMARY_END = "<!-- topologies-summary:end -->"
+SUMMARY = DocBlock("topologies-summary")
+SUMMARY_BEGIN, SUMMARY_END = SUMMARY.begin, SUMMARY.end
 
 ROLE_NAMES = {"MainProcess": "main", "APIServer": "API server"}
 
@@ -163,19 +164,10 @@ def render_summary(data: dict[str, Any]) -> str:
 
 
 def render_summary_block(data: dict[str, Any]) -> str:
-    return f"{SUMMARY_BEGIN}\n{render_summary(data)}\n{SUMMARY_END}"
+    return SUMMARY.wrap(render_summary(data))
 
 
-def _block(text: str, begin: str, end_marker: str) -> str | None:
-    """The generated part of ``text``, markers included; None when it has none."""
-    start, end = text.find(begin), text.find(end_marker)
-    if start < 0 or end < start:
-        return None
-    return text[start : end + len(end_marker)]
-
-
-def summary_block(text: str) -> str | None:
-    return _block(text, SUMMARY_BEGIN, SUMMARY_END)
+summary_block = SUMMARY.find
 
 
 def render_notes() -> str:
@@ -188,26 +180,14 @@ def render_notes() -> str:
 
 
 def render_block(data: dict[str, Any]) -> str:
-    return f"{BEGIN}\n{render_table(data)}\n\n{render_notes()}\n{END}"
+    return BLOCK.wrap(f"{render_table(data)}\n\n{render_notes()}")
 
 
-def doc_block(text: str) -> str | None:
-    return _block(text, BEGIN, END)
+doc_block = BLOCK.find
 
 
 def rewrite_doc(data: dict[str, Any], path: Path = DOC, readme: Path = README) -> bool:
     """Rewrite both generated tables; True when either changed."""
-    changed = False
-    for file, find, render in (
-        (path, doc_block, render_block),
-        (readme, summary_block, render_summary_block),
-    ):
-        text = file.read_text()
-        old = find(text)
-        if old is None:
-            raise SystemExit(f"{file}: no generated topologies block")
-        new = text.replace(old, render(data))
-        if new != text:
-            file.write_text(new)
-            changed = True
-    return changed
+    table = BLOCK.rewrite(path, f"{render_table(data)}\n\n{render_notes()}")
+    summary = SUMMARY.rewrite(readme, render_summary(data))
+    return table or summary
