@@ -10,29 +10,27 @@ saw. Invoked by ``tests/installed/test_drift_real.py`` as
 from __future__ import annotations
 
 import json
+import sys
 import types
+from typing import Any
 
 import torch
 import vllm  # noqa: F401
-import vllm.multimodal.cache as mm_cache
 
-try:  # 0.31+
-    import vllm.multimodal.cache.lru as mm_lru
-except ImportError:
-    mm_lru = None
-import vllm.multimodal.processing as mm_processing
-import vllm.v1.engine.async_llm  # noqa: F401
-import vllm.v1.engine.input_processor  # noqa: F401
-
+from harness.inside_vllm.layout import drift_class
 from vllm_mmcache_fix import drift_guard as drift
+from vllm_mmcache_fix import vllm_layout as lay
 from vllm_mmcache_fix.drift_guard import records
+
+# Every class the drift guard patches, imported before it installs (as a server has them).
+TARGETS: dict[str, Any] = {t.name: drift_class(t.name) for t in lay.DRIFT_TARGETS}
 
 out: dict[str, object] = {"vllm": vllm.__version__}
 status = drift.install()
 out["patched"] = sorted(status["patched"])
 
-mod = mm_lru or mm_cache
-sender_cls = getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
+sender_cls = TARGETS["sender"]
+mod = sys.modules[sender_cls.__module__]
 receiver_cls = getattr(mod, "LruKeyReplicatedReceiverCache", None) or mod.MultiModalReceiverCache
 out["classes"] = [sender_cls.__name__, receiver_cls.__name__]
 
@@ -42,7 +40,7 @@ cfg = types.SimpleNamespace(
 )
 sender = sender_cls(cfg)
 receiver = receiver_cls(cfg)
-base = mm_processing.BaseMultiModalProcessor
+base = TARGETS["processor"]
 stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
 
 

@@ -19,30 +19,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import types
 from typing import Any
 
 import vllm  # noqa: F401
-import vllm.multimodal.cache as mm_cache
-import vllm.v1.engine.async_llm as async_llm
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.output_processor import RequestOutputCollector
 
+from harness.inside_vllm.layout import drift_class
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import processor, records
 
-try:  # 0.31+
-    import vllm.multimodal.cache.lru as mm_lru
-except ImportError:
-    mm_lru = None
+AsyncLLM: Any = drift_class("generate")
+async_llm = sys.modules[AsyncLLM.__module__]
+sender_cls = drift_class("sender")
 
 out: dict[str, Any] = {"vllm": vllm.__version__}
 out["patched"] = sorted(drift.install()["patched"])
 
 # A sender cache, so that the guard tracks this process as an API server.
-mod = mm_lru or mm_cache
-sender_cls = getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
 cfg = types.SimpleNamespace(
     get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=0.001)
 )
@@ -80,7 +77,7 @@ def output(request_id: str, finish_reason: str | None, tokens: list[int]) -> Req
     )
 
 
-class Engine(async_llm.AsyncLLM):
+class Engine(AsyncLLM):
     """vLLM's AsyncLLM with EngineCore's answers scripted."""
 
     def __init__(self, answers: list[list[tuple[str | None, list[int]]]]) -> None:

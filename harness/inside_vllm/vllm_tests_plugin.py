@@ -259,26 +259,30 @@ def _probe() -> dict[str, Any]:
     """Build one cache through vLLM's multimodal factory and say what class it is."""
     import importlib
 
-    for module_name in ("vllm.multimodal.cache.base", "vllm.multimodal.cache"):
+    from vllm_mmcache_fix import vllm_layout as lay
+
+    for layout in lay.FACTORY_LAYOUTS:
+        module_name = layout.module
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        owner = getattr(module, "MultiModalCache", None)
+        owner = getattr(module, layout.owner, None)
         if owner is None or owner.__module__ != module_name:
             continue
+        where = f"{module_name}.{layout.owner}"
         try:
-            cache = owner.get_lru_cache(0.001, object)
+            cache = getattr(owner, lay.MM_CACHE_FACTORY)(0.001, object)
         except Exception as exc:
-            return {"factory": f"{module_name}.MultiModalCache", "error": repr(exc)}
+            return {"factory": where, "error": repr(exc)}
         cls = type(cache)
         return {
-            "factory": f"{module_name}.MultiModalCache.get_lru_cache",
+            "factory": f"{where}.{lay.MM_CACHE_FACTORY}",
             "class": f"{cls.__module__}.{cls.__qualname__}",
             "mro": [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__],
             "fixed": bool(getattr(cls, FIXED_MARKER, False)),
         }
-    return {"error": "no MultiModalCache found"}
+    return {"error": "no multimodal cache factory found (vllm_layout.FACTORY_LAYOUTS)"}
 
 
 def _vllm_version() -> str | None:
