@@ -239,11 +239,12 @@ def preload_env(venv: Path, version: str | None = None) -> dict[str, str]:
     ``libtcmalloc-minimal4`` provides tcmalloc). A release whose extensions need a newer
     ``libstdc++`` than the system's (0.10.2, 0.11.2) gets the one of :mod:`harness.libstdcxx`.
     A release whose Qwen-VL rotary embedding needs Triton on CPU (0.10.x) gets 0.11.0's
-    CPU path from :mod:`harness.cpu_mrope` on ``PYTHONPATH``.
+    CPU path from :mod:`harness.inside_vllm.cpu_mrope` on ``PYTHONPATH``.
     """
     import re
 
-    from harness import cpu_mrope, libstdcxx
+    from harness import libstdcxx
+    from harness.inside_vllm import cpu_mrope
     from harness.venvs import venv_vllm_version
 
     version = version or venv_vllm_version(Path(venv))

@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
-from harness import incident, runner
-from harness.health import HealthPoller, scrape
+from harness import runner
 from harness.http import free_port, http_get
 from harness.lock import ServerLock
 from harness.paths import REPO_ROOT
 from harness.payloads import mm_limits_args
+from harness.programs import incident
+from harness.programs.health import HealthPoller, scrape
 from harness.readme import guide_blocks
 from harness.venvs import complete_venv, e2e_versions, set_plugin
 from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT

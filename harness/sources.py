@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.paths import cache_root
+from vllm_mmcache_fix import vllm_layout as lay
 
-VLLM_VERSIONS: tuple[str, ...] = (
+LISTED_VLLM_VERSIONS: tuple[str, ...] = (
     "0.10.0", "0.10.1.1", "0.10.2",
     "0.11.0", "0.11.1", "0.11.2",
     "0.12.0", "0.13.0",
@@ -63,6 +64,9 @@ VLLM_VERSIONS: tuple[str, ...] = (
     "0.34.0",
 )  # fmt: skip
 
+"""Every vLLM release the project knows: the one place a new release is added (its
+realsrc tests, the release matrix and the newest-release checks follow from it)."""
+
 EXTRA_RELEASES_ENV = "MMCACHE_FIX_EXTRA_RELEASES"
 """Comma-separated releases added after ``VLLM_VERSIONS`` for one run (``scripts/new-release``
 sets it to run the realsrc tier on a release this list does not name yet)."""
@@ -72,7 +76,7 @@ def _extra_releases() -> tuple[str, ...]:
     extra = []
     for raw in os.environ.get(EXTRA_RELEASES_ENV, "").split(","):
         version = raw.strip()
-        if not version or version in VLLM_VERSIONS:
+        if not version or version in LISTED_VLLM_VERSIONS:
             continue
         if not re.fullmatch(r"\d+(\.\d+){1,3}", version):
             print(
@@ -84,36 +88,62 @@ def _extra_releases() -> tuple[str, ...]:
     return tuple(extra)
 
 
-VLLM_VERSIONS = VLLM_VERSIONS + _extra_releases()
+VLLM_VERSIONS: tuple[str, ...] = LISTED_VLLM_VERSIONS + _extra_releases()
 
 CACHETOOLS_VERSIONS: tuple[str, ...] = ("5.5.2", "6.2.0", "7.3.3", "8.0.2")
 
 MARKER = "COMPLETE"
 MAX_JOBS = 2
 
-# Package-relative paths (regular expressions, full match) extracted from a vLLM wheel.
-_VLLM_MEMBERS: tuple[str, ...] = (
-    r"vllm/version\.py",
-    r"vllm/_version\.py",
-    r"vllm/utils/__init__\.py",
-    r"vllm/utils/cache\.py",
-    r"vllm/multimodal/cache\.py",
-    r"vllm/multimodal/cache/[A-Za-z0-9_]+\.py",
-    r"vllm/multimodal/processing\.py",
-    r"vllm/multimodal/processing/[A-Za-z0-9_]+\.py",
+# What a vLLM wheel's extraction keeps: package-relative paths (regular expressions, full
+# match). The files the plugin touches come from vllm_mmcache_fix/vllm_layout.py; only the
+# files no layout entry names are listed here.
+_RELEASE_FILES: tuple[str, ...] = (r"vllm/version\.py", r"vllm/_version\.py")
+"""Which release an extracted tree is."""
+_OTHER_FILES: tuple[str, ...] = (
     r"vllm/multimodal/registry\.py",
-    r"vllm/plugins/__init__\.py",
-    r"vllm/v1/engine/core\.py",
-    r"vllm/v1/engine/processor\.py",
-    r"vllm/v1/engine/input_processor\.py",
     r"vllm/entrypoints/openai/serving_engine\.py",
     r"vllm/entrypoints/openai/engine/serving\.py",
     r"vllm/entrypoints/serve/engine/serving\.py",
     r"vllm/entrypoints/generate/base/serving\.py",
 )
+"""Read by the tests around the plugin's targets (the multimodal registry, the serving
+layer that renders a request), named nowhere in the layout table."""
+_NOT_EXTRACTED_MODULES = frozenset({lay.HEALTH_TARGET.module})
+"""``vllm/v1/engine/async_llm.py`` (``AsyncLLM.generate``, ``check_health``): proven on
+installed vLLM (the installed and e2e tiers), never read from released sources."""
+
+
+def _module_file(module: str) -> str:
+    return module.replace(".", "/") + ".py"
+
+
+def layout_members() -> tuple[str, ...]:
+    """The member patterns of the files ``vllm_layout`` names, in a stable order.
+
+    Each candidate module gives its file; a module whose parent is itself a candidate (the
+    module became a package: ``vllm.multimodal.cache`` -> ``vllm.multimodal.cache.lru``)
+    gives that whole package instead, since its modules import each other.
+    """
+    modules = {c.module for t in lay.DRIFT_TARGETS for c in t.candidates}
+    modules |= {f.module for f in lay.FACTORY_LAYOUTS} | {lay.ENGINE_CORE_CLASS.module}
+    modules -= _NOT_EXTRACTED_MODULES
+    files = {*lay.LRU_FILES, *(f.file for f in lay.FACTORY_LAYOUTS), lay.PLUGINS_MODULE_FILE}
+    files |= {_module_file(m) for m in modules}
+    packages = {m.rpartition(".")[0] for m in modules if m.rpartition(".")[0] in modules}
+    package_dirs = {p.replace(".", "/") + "/" for p in packages}
+    singles = {re.escape(f) for f in files if not f.startswith(tuple(package_dirs))}
+    whole = {re.escape(d) + r"[A-Za-z0-9_]+\.py" for d in package_dirs}
+    return tuple(sorted(singles | whole))
+
+
+_VLLM_MEMBERS: tuple[str, ...] = (*_RELEASE_FILES, *layout_members(), *_OTHER_FILES)
 _VLLM_MEMBER_RE = re.compile("|".join(f"(?:{p})" for p in _VLLM_MEMBERS))
 # Identifies the extraction rules; a release extracted under other rules is fetched again.
-VLLM_LAYOUT = hashlib.sha256("\n".join(_VLLM_MEMBERS).encode()).hexdigest()[:12]
+VLLM_LAYOUT = hashlib.sha256("\n".join(sorted(_VLLM_MEMBERS)).encode()).hexdigest()[:12]
+SAME_RULES: dict[str, tuple[str, ...]] = {"ab5008f6cdd1": ("bf6d0e0c2d63",)}
+"""Earlier ids of the same rules (the same patterns, hashed in their former hand-written
+order): a tree extracted under one of them is current and is not downloaded again."""
 WHEEL_LAYOUT = "whole-wheel"
 
 _print_lock = threading.Lock()
@@ -137,7 +167,7 @@ def is_complete(directory: Path, layout: str | None = None) -> bool:
     if layout is None:
         return True
     try:
-        return read_marker(directory).get("layout") == layout
+        return read_marker(directory).get("layout") in (layout, *SAME_RULES.get(layout, ()))
     except (OSError, ValueError):
         return False
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cache_figures import ROLES, counters, series, settled
 from harness.http import http_post
 from harness.payloads import media_payload, short_text
+from harness.programs.cache_figures import ROLES, counters, series, settled
 from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions
 from vllm_mmcache_fix.metrics import names as n

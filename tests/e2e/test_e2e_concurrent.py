@@ -1,7 +1,7 @@
 """Real servers under concurrent clients: with the plugin, no client sees a 5xx or a timeout.
 
 For each vLLM version of :func:`harness.venvs.e2e_versions`, a shortened
-``scripts/concurrent`` run (harness/concurrent.py) on the release's shared plugin server
+``scripts/concurrent`` run (harness/programs/concurrent.py) on the release's shared plugin server
 (with images it has not seen):
 ``CLIENTS`` concurrent clients (default 8) send ``REQUESTS`` requests (default 150) of
 the seeded mixed plan (new and reused images, long prompts rejected after placeholder
@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from harness import concurrent, soak
+from harness.programs import concurrent, soak
 from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions
 

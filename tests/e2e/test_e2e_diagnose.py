@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness.diagnose_shapes import Load, run_diagnose
+from harness.programs.diagnose_shapes import Load, run_diagnose
 from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions
 from vllm_mmcache_fix.tools.diagnose import find_py_spy

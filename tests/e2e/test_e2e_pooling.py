@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import pooling_memory
 from harness.lock import ServerLock
+from harness.programs import pooling_memory
 from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.core.messages import DRIFT_GUARD_ACTIVE
 

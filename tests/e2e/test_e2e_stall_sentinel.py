@@ -3,7 +3,8 @@
 With the eviction fix off (``MMCACHE_FIX_MODE=warn``) the replay freezes
 EngineCore in ``LRUCache.popitem``; the sentinel, on with a 3 s threshold, must
 log one WARNING from EngineCore whose stack contains ``popitem`` and that names
-vllm#43941 (a busy call elsewhere is reported apart, ``harness/health_load.py``). With the fix
+vllm#43941 (a busy call elsewhere is reported apart, ``harness/programs/health_load.py``).
+With the fix
 on (default mode) the replay does not freeze and the sentinel logs nothing,
 although it runs in both the API server and EngineCore. The replays are fixtures of
 ``tests/e2e/conftest.py`` (the health tests read the same ones).

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import plugin_commit
 from harness.paths import REPO_ROOT
-from harness.topologies import cli, record
-from harness.topologies.shapes import CI_FORK_SHAPE, REPEAT_VERSION, STUCK_VERSION, shape
+from harness.programs.matrix import plugin_commit
+from harness.programs.topologies import cli, record
+from harness.programs.topologies.shapes import CI_FORK_SHAPE, REPEAT_VERSION, STUCK_VERSION, shape
 from harness.venvs import e2e_versions
 
 RUN_TIMEOUT_S = 25 * 60

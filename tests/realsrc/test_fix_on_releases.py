@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 
 HANG_DEADLINE_S = 2.0
 
@@ -104,7 +105,7 @@ os._exit(0)
 # Every release under the cachetools the test environment has (8.x), and one
 # release of each LRUCache layout under the older cachetools vLLM allows.
 OLDER_CACHETOOLS = ("5.5.2", "6.2.0")
-LAYOUT_SAMPLES = ("0.10.0", "0.11.0", "0.23.0", "0.24.0", "0.34.0")
+LAYOUT_SAMPLES = ("0.10.0", "0.11.0", "0.23.0", "0.24.0", NEWEST)
 CASES = [(v, None) for v in realsrc.VERSIONS] + [
     (v, ct) for ct in OLDER_CACHETOOLS for v in LAYOUT_SAMPLES
 ]

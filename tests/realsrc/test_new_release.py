@@ -10,7 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from harness import new_release, realsrc
+from harness import realsrc
+from harness.programs import new_release
 from vllm_mmcache_fix import vllm_layout
 from vllm_mmcache_fix.drift_guard.fix import WRAPPERS
 

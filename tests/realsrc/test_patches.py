@@ -37,6 +37,7 @@ import pytest
 
 from harness import realsrc
 from harness.paths import REPO_ROOT
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.tools import source_patch
 from vllm_mmcache_fix.tools.source_patch import (
     EXIT_MISMATCH,
@@ -564,7 +565,7 @@ def _tree(tmp_path: Path, version: str, index: dict) -> tuple[Path, Path, dict]:
 
 
 @pytest.mark.parametrize("tool", ["patch", "python"])
-@pytest.mark.parametrize("version", ["0.10.0", "0.23.0", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.10.0", "0.23.0", NEWEST])
 def test_apply_check_revert_cycle(version: str, tool: str, index: dict, tmp_path: Path) -> None:
     root, target, entry = _tree(tmp_path, version, index)
     original = _sha256(target)
@@ -610,13 +611,13 @@ def test_refuses_file_patched_then_edited(index: dict, tmp_path: Path) -> None:
 
 
 def test_refuses_wrong_version_tree(index: dict, tmp_path: Path) -> None:
-    # 0.34.0's file in a tree that claims 0.31.0 (same target path, different release file).
-    root, target, _ = _tree(tmp_path, "0.34.0", index)
+    # The newest release's file in a tree that claims 0.31.0 (same target path, another file).
+    root, target, _ = _tree(tmp_path, NEWEST, index)
     out = source_patch.apply(root, patches_dir=PATCHES, version="0.31.0")
     assert out.exit_code == EXIT_MISMATCH
     assert _sha256(target) in out.message
     assert _entry(index, "0.31.0")["original_sha256"]["0.31.0"] in out.message
-    assert _sha256(target) == _entry(index, "0.34.0")["original_sha256"]["0.34.0"]
+    assert _sha256(target) == _entry(index, NEWEST)["original_sha256"][NEWEST]
     # A 0.23.0 tree claiming 0.10.0: the 0.10.0 target file does not even exist there.
     root, _, _ = _tree(tmp_path, "0.23.0", index)
     out = source_patch.apply(root, patches_dir=PATCHES, version="0.10.0")

@@ -13,9 +13,10 @@ import pytest
 
 from harness.layouts import run_snippet, write_layout
 from vllm_mmcache_fix import __version__
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 
 LAYOUTS = {
-    "package": ("0.34.0", "vllm.multimodal.cache.base"),
+    "package": (NEWEST, "vllm.multimodal.cache.base"),
     "module": ("0.23.0", "vllm.multimodal.cache"),
 }
 
@@ -217,7 +218,7 @@ def test_mode_warn_patches_nothing_and_warns_once_when_cache_on(tree) -> None:
 
 
 def test_mode_warn_is_quiet_on_a_vllm_without_ghost_touch(tree) -> None:
-    root = tree("package", "0.34.0")
+    root = tree("package", NEWEST)
     result = run_snippet(
         root,
         """

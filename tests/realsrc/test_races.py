@@ -1,7 +1,7 @@
 """A cache reset racing the input thread, on the real vLLM ``LRUCache``.
 
 The trials run in subprocesses pinned to one cachetools release each (see
-harness/bench/race_probe.py, ``scripts/race-probe``, which also measures the unpatched
+harness/programs/bench/race_probe.py, ``scripts/race-probe``, which also measures the unpatched
 class and the cost of a lock). Here only the properties that must hold every time are asserted: the
 fixed class never freezes, and whatever state the race leaves is consistent again
 after one more full eviction; the locked prototype also lets no exception escape.
@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from harness import realsrc
-from harness.bench import race_probe
+from harness.programs.bench import race_probe
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
 TRIALS = int(os.environ.get("MMCACHE_FIX_RACE_TRIALS", "10"))
 CACHETOOLS = ("5.5.2", "8.0.2")
 # One release whose touch adds missing keys to the order, one whose touch does not.
-VERSIONS = ("0.23.0", "0.34.0")
+VERSIONS = ("0.23.0", NEWEST)
 
 
 def _run(version: str, variant: str, ct: str) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def test_fixed_class_never_freezes_under_reset_race(version: str, ct: str) -> No
 
 @pytest.mark.parametrize("ct", CACHETOOLS)
 def test_locked_prototype_is_race_free(ct: str) -> None:
-    r = _run("0.34.0", "locked", ct)
+    r = _run(NEWEST, "locked", ct)
     assert r["froze_during"] == 0 and r["froze_next_eviction"] == 0
     assert r["exceptions"] == {}
     assert r["desync_trials"] == 0 and r["drift_trials"] == 0
@@ -54,7 +55,7 @@ def test_locked_prototype_is_race_free(ct: str) -> None:
 
 def test_locked_prototype_keeps_the_api() -> None:
     """The lock wrapper changes no result of a single-threaded request stream."""
-    base = realsrc.load_lru_module("0.34.0").LRUCache
+    base = realsrc.load_lru_module(NEWEST).LRUCache
     fixed = race_probe.new_cache(fixed_lru_class(base), 16)
     locked = race_probe.new_cache(race_probe.locked_class(fixed_lru_class(base)), 16)
     for i in range(500):

@@ -15,7 +15,7 @@ raises ``KeyError``; the guard must remove it cleanly and stay on.
 
 Each cachetools release of :data:`harness.sources.CACHETOOLS_VERSIONS` runs in a child
 interpreter (``realsrc.run_snippet``) with the real ``LRUCache`` of vLLM 0.23.0 (whose
-``touch`` adds missing keys) and 0.34.0.
+``touch`` adds missing keys) and the newest release.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import json
 import pytest
 
 from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 
 CT_VERSIONS = list(realsrc.CACHETOOLS_VERSIONS)
-VLLM_VERSIONS = ("0.23.0", "0.34.0")
+VLLM_VERSIONS = ("0.23.0", NEWEST)
 
 _HALF_DONE = r"""
 import json, sys, threading
@@ -167,7 +168,7 @@ from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal
 
-lru_cls = drift_sim.realsrc.load_lru_module("0.34.0").LRUCache
+lru_cls = drift_sim.realsrc.load_lru_module(sys.argv[1]).LRUCache
 out = {}
 
 # The shadow on its own: invalidate (recovery) and rollback (rejection) of a data-only key.
@@ -194,7 +195,7 @@ out["shadow_left"] = [sorted(lru._Cache__data), list(lru._LRUCache__order)]
 
 # The guard around the simulated server: a rejected request whose inserted key lost
 # its order entry meanwhile.
-modules = drift_sim.install_modules("0.34.0")
+modules = drift_sim.install_modules(sys.argv[1])
 drift.install()
 world = drift_sim.World(modules)
 prompt = world.render(["x"], text_len=100)
@@ -222,7 +223,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("ct", CT_VERSIONS)
 def test_the_guard_removes_a_data_only_key_cleanly(ct: str) -> None:
-    out = _run(_GUARD_DROPS, ct)
+    out = _run(_GUARD_DROPS, ct, NEWEST)
     assert out["shadow_errors"] == []
     assert out["invalidated"] == 1 and out["rolled_back"] == 1
     assert out["shadow_left"] == [["a", "c"], ["a", "c"]]

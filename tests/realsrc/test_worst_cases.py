@@ -1,6 +1,6 @@
 """Worst cases of the fixed LRU on the real vLLM ``LRUCache`` classes.
 
-Timings are printed by ``scripts/worst-cases`` (harness/bench/worst_cases.py); here
+Timings are printed by ``scripts/worst-cases`` (harness/programs/bench/worst_cases.py); here
 only completion, results and operation counts are checked, never wall time.
 """
 
@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from harness import realsrc
-from harness.bench import worst_cases
+from harness.programs.bench import worst_cases
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
-VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", "0.34.0")
+VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", NEWEST)
 ALL_PINNED = "All items are pinned, cannot remove oldest from the cache."
 
 
@@ -47,7 +48,7 @@ def test_insert_with_100k_data_only_keys(version: str) -> None:
 
 @pytest.mark.parametrize("wall", ["ghost_wall", "orphan_wall"])
 def test_repair_work_grows_linearly(wall: str) -> None:
-    cls = _classes("0.34.0")[1]
+    cls = _classes(NEWEST)[1]
     fn = getattr(worst_cases, wall)
     ops = {n: fn(cls, n, counting=True).operations for n in (1_000, 10_000, 100_000)}
     for n, count in ops.items():

@@ -1,7 +1,8 @@
 """Soak: a real vLLM server with the plugin under mixed multimodal traffic stays healthy.
 
 One version (``MMCACHE_FIX_SOAK_VERSION``, default 0.32.0), one server, a shortened
-run of ``scripts/soak`` (harness/soak.py; ``MMCACHE_FIX_SOAK_REQUESTS`` requests, default 600; the
+run of ``scripts/soak`` (harness/programs/soak.py; ``MMCACHE_FIX_SOAK_REQUESTS`` requests,
+default 600; the
 script's own default is 2000): new and reused images, long prompts rejected after
 placeholder expansion, two-image prompts. Pass criteria: no timeout, no 5xx for a
 valid request, every long request answered 400, EngineCore idle (< 5% CPU) once the
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import runner, soak
+from harness import runner
+from harness.programs import soak
 from harness.rotation import SOAKS, this_turn
 
 VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()

@@ -3,8 +3,8 @@
 One version (``MMCACHE_FIX_SOAK_VERSION``, default 0.32.0), one server, ``CLIENTS``
 concurrent clients (``MMCACHE_FIX_SOAK_CLIENTS``, default 8) sending
 ``MMCACHE_FIX_SOAK_CONCURRENT_REQUESTS`` requests (default 600; ``scripts/concurrent
---soak --requests 2000`` is the full soak) of harness/concurrent.py's mixed plan. The
-pass criteria are the soak's own (:meth:`harness.soak.SoakResult.failures`): no
+--soak --requests 2000`` is the full soak) of harness/programs/concurrent.py's mixed plan. The
+pass criteria are the soak's own (:meth:`harness.programs.soak.SoakResult.failures`): no
 timeout, no 5xx for a valid request, every long request answered 400, EngineCore
 below 5% CPU once the load stops, and no server process growing its RSS by more than
 10% from the end of the first quarter to the end of the last.
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import concurrent, runner
+from harness import runner
+from harness.programs import concurrent
 from harness.rotation import SOAKS, this_turn
 
 VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()

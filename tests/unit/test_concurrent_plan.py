@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from harness import concurrent
+from harness.programs import concurrent
 
 
 def test_the_same_seed_gives_the_same_plan() -> None:

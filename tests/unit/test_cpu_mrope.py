@@ -1,4 +1,6 @@
-"""The harness's CPU path for vLLM 0.10.x's multimodal rotary embedding (harness.cpu_mrope)."""
+"""The harness's CPU path for vLLM 0.10.x's multimodal rotary embedding.
+
+See harness.inside_vllm.cpu_mrope."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness import cpu_mrope
+from harness.inside_vllm import cpu_mrope
 
 MROPE_0_10 = """
 def triton_mrope(q, k): ...

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from harness import incident, tiny_models
+from harness import tiny_models
 from harness.payloads import VIDEO_LIMIT_ARGS, make_png, make_video, media_payload
+from harness.programs import incident
 
 
 def test_video_url_carries_distinct_png_frames() -> None:

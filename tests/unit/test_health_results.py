@@ -1,7 +1,8 @@
 """docs/health.md says what the committed runs and the code say.
 
 The runs in ``compat/health-load.json`` (``scripts/health-load``) must each meet the bars of
-the health check (every check of :func:`harness.health_load.checks` passes), the doc's table
+the health check (every check of :func:`harness.programs.health_load.checks` passes), the
+doc's table
 must be what they render, and the doc's metrics table must list exactly the metrics of
 ``metrics/names.py`` with their labels.
 """
@@ -15,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from harness import health_load
 from harness.paths import REPO_ROOT
+from harness.programs import health_load
 from vllm_mmcache_fix.core.settings import DEFAULT_HEALTH_TIMEOUT, MIN_HEALTH_TIMEOUT
 from vllm_mmcache_fix.engine_liveness.heartbeat import PING_INTERVAL_S
 from vllm_mmcache_fix.metrics import names

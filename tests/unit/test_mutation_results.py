@@ -1,4 +1,4 @@
-"""The mutation score's bookkeeping (harness/mutation.py) and its committed baseline."""
+"""The mutation score's bookkeeping (harness/programs/mutation.py) and its committed baseline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from harness import evidence, mutation
+from harness import evidence
+from harness.programs import mutation
 
 
 def _row(line: int, outcome: str | None, diff: str = "") -> list[Any]:

@@ -1,6 +1,6 @@
 """The pooling-memory figures in docs/design.md are those of the committed run, which passed.
 
-``scripts/pooling-memory`` (harness/pooling_memory.py) writes
+``scripts/pooling-memory`` (harness/programs/pooling_memory.py) writes
 ``compat/pooling_memory.json``; docs/design.md quotes its 1,000-request run on 0.32.0.
 """
 

@@ -12,11 +12,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness.topologies import cli, record, table
-from harness.topologies.environment import FORK_SITE, START_METHOD_ENV
-from harness.topologies.http_case import module_command
-from harness.topologies.program_case import LogEvents
-from harness.topologies.shapes import BY_NAME, SHAPES, VERSIONS, shape
+from harness.programs.topologies import cli, record, table
+from harness.programs.topologies.environment import FORK_SITE, START_METHOD_ENV
+from harness.programs.topologies.http_case import module_command
+from harness.programs.topologies.program_case import LogEvents
+from harness.programs.topologies.shapes import BY_NAME, SHAPES, VERSIONS, shape
 
 # ----------------------------------------------------------------------------- the file
 
@@ -292,7 +292,7 @@ def test_fork_sitecustomize_sets_the_start_method_again_after_the_cpu_hook(
 
 
 def test_start_failure_names_the_root_cause_not_vllms_wrapper(tmp_path: Path) -> None:
-    from harness.topologies.http_case import start_failure
+    from harness.programs.topologies.http_case import start_failure
 
     log = tmp_path / "server.log"
     log.write_text(
@@ -316,7 +316,7 @@ def test_rejudge_applies_this_checkouts_rules(tmp_path: Path) -> None:
 
 
 def test_the_stuck_engine_case_turns_health_503_while_it_watches(tmp_path: Path) -> None:
-    from harness.topologies import environment
+    from harness.programs.topologies import environment
     from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE, MIN_HEALTH_TIMEOUT
 
     venv = tmp_path / "venv"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import matrix, venvs, vllm_build
+from harness import venvs, vllm_build
+from harness.programs import matrix
 
 CPU_EXTENSION = """
     set(FETCHCONTENT_SOURCE_DIR_ONEDNN "$ENV{FETCHCONTENT_SOURCE_DIR_ONEDNN}" CACHE PATH "")

@@ -26,7 +26,7 @@ CONSUMERS = (
     "vllm_mmcache_fix.tools.check",
     "vllm_mmcache_fix.tools.diagnose.rules",
     "vllm_mmcache_fix.tools.diagnose.classify",
-    "harness.make_patches",
+    "harness.programs.make_patches",
 )
 
 
@@ -49,7 +49,7 @@ def _string_literals(path: Path) -> list[tuple[int, str]]:
 
 def _sources() -> list[Path]:
     files = sorted((REPO_ROOT / "vllm_mmcache_fix").rglob("*.py"))
-    files.append(REPO_ROOT / "harness" / "make_patches.py")
+    files.append(REPO_ROOT / "harness" / "programs" / "make_patches.py")
     return [f for f in files if f.name not in OWNERS]
 
 

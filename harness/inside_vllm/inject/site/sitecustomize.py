@@ -1,0 +1,176 @@
+"""Test-only injections into a vLLM server; the plugin is not used.
+
+See ``harness.inside_vllm.inject``."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+STEP_SLEEP = float(os.environ.get("MMCACHE_INJECT_STEP_SLEEP_S") or 0)
+UTILITY_SLEEP = float(os.environ.get("MMCACHE_INJECT_UTILITY_SLEEP_S") or 0)
+FORK = os.environ.get("MMCACHE_INJECT_FORK") == "1"
+TRIGGERS = Path(os.environ["MMCACHE_INJECT_DIR"]) if os.environ.get("MMCACHE_INJECT_DIR") else None
+STUCK_STEP_MAX_S = 900.0
+
+
+def _say(text: str) -> None:
+    print(f"[inject] pid={os.getpid()} {text}", file=sys.stderr, flush=True)
+
+
+def _engine_core(module: ModuleType) -> None:
+    proc = getattr(module, "EngineCoreProc", None)
+    core = getattr(module, "EngineCore", None)
+    if proc is not None and (STEP_SLEEP or TRIGGERS is not None):
+        step = proc._process_engine_step
+
+        def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if TRIGGERS is not None and (TRIGGERS / "stuck-step").exists():
+                _say("step stuck until the trigger file goes")
+                end = time.monotonic() + STUCK_STEP_MAX_S
+                while (TRIGGERS / "stuck-step").exists() and time.monotonic() < end:
+                    time.sleep(0.1)
+                _say("stuck step returns")
+            if STEP_SLEEP:
+                time.sleep(STEP_SLEEP)
+            return step(self, *args, **kwargs)
+
+        proc._process_engine_step = _process_engine_step
+        _say(f"EngineCore steps: +{STEP_SLEEP:g} s, stuck-step trigger {TRIGGERS}")
+    if core is not None and UTILITY_SLEEP:
+        reset = core.reset_prefix_cache
+
+        def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _say(f"reset_prefix_cache sleeps {UTILITY_SLEEP:g} s")
+            time.sleep(UTILITY_SLEEP)
+            return reset(self, *args, **kwargs)
+
+        core.reset_prefix_cache = reset_prefix_cache
+
+
+def _burn(seconds: float) -> int:
+    """Pure-Python work in one frame for ``seconds`` (a tokenizer-like loop)."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += sum(range(500))
+    return n
+
+
+def _async_llm(module: ModuleType) -> None:
+    cls = getattr(module, "AsyncLLM", None)
+    if cls is None or TRIGGERS is None:
+        return
+    generate = cls.generate
+
+    def generate_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        path = TRIGGERS / "burn-api"
+        if path.exists():
+            try:
+                seconds = float(path.read_text() or 15)
+                path.unlink()
+            except (OSError, ValueError):
+                seconds = 0.0
+            if seconds:
+                _say(f"API server request path burns {seconds:g} s of CPU")
+                _burn(seconds)
+                _say("burn done")
+        return generate(self, *args, **kwargs)
+
+    cls.generate = generate_wrapper
+
+
+def _is_ping_answer(value: Any) -> bool:
+    return isinstance(value, dict) and "schema" in value and "via" in value and "pid" in value
+
+
+def _core_client(module: ModuleType) -> None:
+    """While ``drop-pings`` exists, the API server drops the answers to the plugin's
+    heartbeat pings as they arrive (what vLLM's ROUTER does to the replies of an engine that
+    reconnects): the call's future is never resolved."""
+    process = getattr(module, "_process_utility_output", None)
+    if process is None or TRIGGERS is None:
+        return
+    dropped = [0]
+
+    def _process_utility_output(output: Any, utility_results: Any) -> Any:
+        if (TRIGGERS / "drop-pings").exists():
+            result = getattr(getattr(output, "result", None), "result", None)
+            if _is_ping_answer(result):
+                dropped[0] += 1
+                _say(f"ping answer dropped ({dropped[0]} so far)")
+                return None
+        return process(output, utility_results)
+
+    module._process_utility_output = _process_utility_output  # type: ignore[attr-defined]
+
+
+def _scheduler(module: ModuleType) -> None:
+    """While ``livelock`` exists, the scheduler schedules nothing (it sees no running and no
+    waiting request), as when it cannot fit a request: the busy loop keeps turning with empty
+    steps and EngineCore answers every ping (the zero-token livelock, vllm#40707)."""
+    cls = getattr(module, "Scheduler", None)
+    if cls is None or TRIGGERS is None:
+        return
+    schedule = cls.schedule
+    said = [False]
+
+    def schedule_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (TRIGGERS / "livelock").exists():
+            said[0] = False
+            return schedule(self, *args, **kwargs)
+        if not said[0]:
+            said[0] = True
+            _say("livelock: the scheduler schedules nothing until the trigger file goes")
+        running, waiting = self.running, self.waiting
+        self.running, self.waiting = [], type(waiting)()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            self.running, self.waiting = running, waiting
+
+    cls.schedule = schedule_wrapper
+
+
+def _cpu_platform(module: ModuleType) -> None:
+    cls = getattr(module, "CpuPlatform", None)
+    if cls is None or not FORK:
+        return
+    check = cls.check_and_update_config.__func__
+
+    def check_and_update_config(klass: Any, vllm_config: Any) -> None:
+        check(klass, vllm_config)
+        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+            _say("VLLM_WORKER_MULTIPROC_METHOD=fork (the CPU platform had forced spawn)")
+
+    cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+TARGETS: dict[str, Callable[[ModuleType], None]] = {
+    "vllm.v1.engine.core": _engine_core,
+    "vllm.v1.engine.async_llm": _async_llm,
+    "vllm.v1.engine.core_client": _core_client,
+    "vllm.v1.core.sched.scheduler": _scheduler,
+    "vllm.platforms.cpu": _cpu_platform,
+}
+
+
+if FORK:
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+_HOOKS = Path(__file__).resolve().parents[2] / "import_hook.py"
+runpy.run_path(str(_HOOKS))["after_import"](TARGETS)
+
+# Another sitecustomize later on the path (harness.inside_vllm.cpu_mrope's) still runs.
+_here = Path(__file__).resolve().parent
+for _entry in sys.path:
+    _other = Path(_entry or ".") / "sitecustomize.py"
+    if _other.is_file() and _other.resolve().parent != _here:
+        runpy.run_path(str(_other))
+        break
