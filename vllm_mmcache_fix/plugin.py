@@ -100,6 +100,7 @@ def _build_metrics() -> Fix:
         lambda: counts(),
         lambda: _liveness().engine_counts() if _liveness() else None,
         lambda: _liveness().ages() if _liveness() else None,
+        lambda: _liveness().progress_figures() if _liveness() else None,
     )
 
 

@@ -27,9 +27,10 @@ class PluginMetrics(Fix):
         local: Callable[[], Mapping[str, Any]],
         engines: Callable[[], list[Mapping[str, Any]] | None],
         ages: Callable[[], Mapping[str, float] | None] = lambda: None,
+        progress: Callable[[], list[Mapping[str, Any]] | None] = lambda: None,
     ) -> None:
         super().__init__()
-        self.exporter = Exporter(local, engines, self._sync_failed, ages)
+        self.exporter = Exporter(local, engines, self._sync_failed, ages, progress)
         self._site = self.errors.site("metrics.start")
         self.switched_off: str | None = None
 
