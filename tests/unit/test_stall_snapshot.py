@@ -421,3 +421,28 @@ def test_diagnose_refuses_a_file_that_is_no_snapshot(
     with pytest.raises(SystemExit) as exit_:
         cli.main(["diagnose", "--json"])
     assert exit_.value.code == 2 and "--snapshot" in capsys.readouterr().out
+
+
+def test_an_error_in_the_details_leaves_the_answer_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmcache_fix.engine_liveness import answer as answer_mod
+
+    fix = answer_mod.EngineLivenessAnswer(lambda: {"protected": 1})
+    fix.attempted = fix.enabled = True
+    engine = type("Engine", (), {})()
+    record = Adopted()
+    record.hooked = True
+    engine.__dict__[answer_mod.ENGINE_ATTR] = record
+    engine.scheduler = stuck_scheduler()
+    record.progress.added(time.monotonic() - snap.DETAIL_AFTER_S - 5.0)
+    assert snap.KEY_DETAILS in fix.answer(engine)
+
+    def broken(engine: Any, scheduler: Any) -> dict[str, Any]:
+        raise RuntimeError("a scheduler without the expected shape")
+
+    monkeypatch.setattr(answer_mod, "engine_details", broken)
+    for _ in range(2):
+        reply = fix.answer(engine)
+        assert snap.KEY_DETAILS not in reply and reply["progress"]["stalled_s"] > 15
+        assert reply["input_thread"] is True and reply["counts"] == {"protected": 1}
+    assert fix.detailing is False and fix.errors.counts == {"engine_liveness.snapshot_details": 1}
+    assert fix.progressing and fix.stamping and fix.input_thread  # the rest goes on
