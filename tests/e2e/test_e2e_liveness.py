@@ -210,7 +210,9 @@ def test_the_livelock_verdict_writes_a_snapshot_and_moves_the_metrics(
     steps = _metric(stuck, f"{liveness_metrics.STEP_SECONDS}_count", engine=engine)
     assert steps is not None and steps > 0, stuck
     end = run["phases"]["metrics_end"]
-    assert _metric(end, liveness_metrics.STALLED_SECONDS, engine=engine) == 0, end  # served
+    # Served again: the clock restarted (a step in flight at the last answer shows a few µs).
+    after = _metric(end, liveness_metrics.STALLED_SECONDS, engine=engine)
+    assert after is not None and after < health_load.PROGRESS_TIMEOUT_S / 2, end
     # Synced once a second: read at the end, not at the 503.
     verdicts = _metric(end, liveness_metrics.VERDICTS, engine=engine, **{"class": "no_progress"})
     assert verdicts == 1, end
