@@ -73,7 +73,7 @@ from vllm_mmcache_fix.core.settings import (
     ENV_PROGRESS_TIMEOUT,
     ENV_STEP_TIMEOUT,
 )
-from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS
+from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, VERDICT_CLASS
 from vllm_mmcache_fix.metrics import names
 
 RESULTS = REPO_ROOT / "compat" / "health-load.json"
@@ -381,6 +381,7 @@ def _plugin_metrics(url: str) -> dict[str, float]:
 
 
 _PID = re.compile(r"\((?:EngineCore[^ ]*) pid=(\d+)\)")
+_SNAPSHOT = re.compile(re.escape(VERDICT_CLASS) + r" (\w+)\).*?; snapshot: (\S+\.json)")
 
 
 def scan_log(log: Path) -> dict[str, Any]:
@@ -412,6 +413,11 @@ def scan_log(log: Path) -> dict[str, Any]:
             if m.PREFIX + m.STALL_SENTINEL_ACTIVE in line
         ],
         "tracebacks": text.count("Traceback (most recent call last)"),
+        "snapshots": [
+            {"class": match.group(1), "path": match.group(2)}
+            for line in lines
+            if (match := _SNAPSHOT.search(line))
+        ],
     }
 
 

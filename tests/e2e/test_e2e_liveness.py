@@ -38,7 +38,10 @@ from harness.lock import ServerLock
 from harness.programs import health_load
 from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions, set_plugin
+from vllm_mmcache_fix.engine_liveness import snapshot as stall_snapshot
+from vllm_mmcache_fix.metrics import liveness as liveness_metrics
 from vllm_mmcache_fix.metrics import names
+from vllm_mmcache_fix.tools.diagnose import snapshot as diagnose_snapshot
 
 VERSION = "0.32.0"
 VARIANTS = ("plugin-fork",)
@@ -163,3 +166,70 @@ def test_the_forked_engine_answers_from_its_input_thread(
     assert metrics[f"{names.ROUND_TRIP_SECONDS}_count"] >= 20, metrics
     assert metrics[f'{names.ENGINE_LAST_ANSWER_AGE}{{engine="EngineCore"}}'] < 10, metrics
     assert any("EngineCore" in s for s in scan["sentinel_active"]), scan
+
+
+def _snapshot(run: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The one snapshot of class ``kind`` the run's log names, read back as diagnose does."""
+    found = [s for s in run["log_scan"]["snapshots"] if s["class"] == kind]
+    assert len(found) == 1, run["log_scan"]["snapshots"]  # once per episode, not per probe
+    path = Path(found[0]["path"])
+    data = diagnose_snapshot.load_snapshot(path)
+    assert data[stall_snapshot.KEY_VERDICT]["class"] == kind, data
+    return data
+
+
+def _metric(metrics: dict[str, float], name: str, **labels: str) -> float | None:
+    for key, value in metrics.items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    return None
+
+
+@pytest.mark.parametrize(("version", "variant"), LIVELOCK_RUNS)
+def test_the_livelock_verdict_writes_a_snapshot_and_moves_the_metrics(
+    runs: dict[str, dict[str, Any]], version: str, variant: str
+) -> None:
+    if version not in e2e_versions():
+        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+    run = _run(runs, variant, version)
+    data = _snapshot(run, "no_progress")
+    requests = data[stall_snapshot.KEY_DETAILS][stall_snapshot.KEY_REQUESTS]
+    # The chat request the scheduler never schedules: waiting, nothing computed, at least
+    # the progress timeout old.
+    waiting = [r for r in requests if r["queue"] == "waiting"]
+    assert waiting and waiting[0]["status"] == "WAITING" and waiting[0]["computed"] == 0, data
+    assert waiting[0]["age_s"] >= health_load.PROGRESS_TIMEOUT_S - 1, data
+    assert data["oldest_stuck_request"]["request_id"] == waiting[0]["request_id"], data
+    assert data["last_answer"]["progress"]["empty_steps"] > 0, data
+    assert data[stall_snapshot.KEY_DETAILS]["stacks"], data
+    stuck = run["phases"]["livelock"]["metrics_while_stuck"]
+    engine = "EngineCore"
+    assert (_metric(stuck, liveness_metrics.EMPTY_STEPS, engine=engine) or 0) > 0, stuck
+    stalled = _metric(stuck, liveness_metrics.STALLED_SECONDS, engine=engine)
+    assert stalled is not None and stalled >= health_load.PROGRESS_TIMEOUT_S, stuck
+    steps = _metric(stuck, f"{liveness_metrics.STEP_SECONDS}_count", engine=engine)
+    assert steps is not None and steps > 0, stuck
+    end = run["phases"]["metrics_end"]
+    # Served again: the clock restarted (a step in flight at the last answer shows a few µs).
+    after = _metric(end, liveness_metrics.STALLED_SECONDS, engine=engine)
+    assert after is not None and after < health_load.PROGRESS_TIMEOUT_S / 2, end
+    # Synced once a second: read at the end, not at the 503.
+    verdicts = _metric(end, liveness_metrics.VERDICTS, engine=engine, **{"class": "no_progress"})
+    assert verdicts == 1, end
+
+
+def test_the_stuck_step_and_silence_verdicts_write_their_snapshots(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    run = _run(runs, "plugin-fork")
+    loop = _snapshot(run, "loop")
+    assert loop["last_answer"]["loop"]["state"] == "step", loop
+    # Inside one step for minutes: the answer carried the details, with EngineCore's stacks.
+    stacks = loop[stall_snapshot.KEY_DETAILS]["stacks"]
+    assert any(any("_process_engine_step" in frame for frame in s["frames"]) for s in stacks), (
+        stacks
+    )
+    silent = _snapshot(run, "silent")
+    assert silent["last_answer"]["pending_pings"] >= 2, silent
+    kinds = {s["class"] for s in run["log_scan"]["snapshots"]}
+    assert kinds == {"loop", "silent", "no_progress"}, run["log_scan"]["snapshots"]

@@ -117,6 +117,9 @@ class Declaration:
     payload), or None where this API server does not export them."""
     engine_ages: Callable[[Root], Mapping[str, float] | None] | None = None
     """For the same fix: seconds since each EngineCore last answered, by engine name."""
+    engine_progress: Callable[[Root], list[Mapping[str, Any]] | None] | None = None
+    """For the same fix: each EngineCore's progress figures (seconds without net progress,
+    empty steps, step durations, verdicts), for ``metrics.liveness``."""
 
 
 INTERNAL_ERRORS = "mmcache_fix_internal_errors_total"

@@ -191,6 +191,31 @@ def read_stall_seconds(environ: Mapping[str, str] | None = None) -> FloatSetting
     return read_float(ENV_STALL_SECONDS, DEFAULT_STALL_SECONDS, environ)
 
 
+ENV_SNAPSHOT_DIR = "MMCACHE_FIX_SNAPSHOT_DIR"
+"""Where the API server writes the stall snapshot at a verdict (default: a temp dir)."""
+SNAPSHOT_DIR_NAME = "vllm-mmcache-fix-snapshots"
+
+
+def read_snapshot_dir(environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """The snapshot directory, and the problem with the setting (then the default is used)."""
+    import tempfile
+
+    env = os.environ if environ is None else environ
+    default = os.path.join(tempfile.gettempdir(), SNAPSHOT_DIR_NAME)
+    raw = env.get(ENV_SNAPSHOT_DIR, "").strip()
+    if not raw:
+        return default, None
+    path = os.path.expanduser(raw)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return default, f"{ENV_SNAPSHOT_DIR}={raw!r} is not a directory; using {default}"
+    return path, None
+
+
+def _read_snapshot_dir(environ: Mapping[str, str]) -> Reading:
+    path, problem = read_snapshot_dir(environ)
+    return Reading(path, problem)
+
+
 # --------------------------------------------------------------------------- the table
 
 ENV_PATCHES_DIR = "MMCACHE_FIX_PATCHES_DIR"
@@ -273,6 +298,14 @@ SETTINGS_BEFORE_FIXES: tuple[SettingSpec, ...] = (
     ),
 )
 SETTINGS_AFTER_FIXES: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        ENV_SNAPSHOT_DIR,
+        "",
+        "a directory",
+        "where the API server writes one JSON stall snapshot at each stall's first verdict "
+        "(default: <temp dir>/" + SNAPSHOT_DIR_NAME + ")",
+        _read_snapshot_dir,
+    ),
     SettingSpec(
         ENV_FAIL_AT,
         "",

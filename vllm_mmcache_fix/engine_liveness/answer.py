@@ -54,6 +54,7 @@ from .busy_loop import (
     ANSWER_SCHEMA,
     IDLE,
     STEP,
+    STUCK_STATES,
     UTILITY,
     VIA_BUSY_LOOP,
     VIA_INPUT_THREAD,
@@ -62,6 +63,7 @@ from .busy_loop import (
 )
 from .owns import ANSWER_ID
 from .progress import SCHEDULER_ATTR, Progress
+from .snapshot import DETAIL_AFTER_S, KEY_DETAILS, engine_details
 
 PATCH_ID = ANSWER_ID
 ENGINE_ATTR = "_mmcache_fix_liveness"
@@ -109,6 +111,7 @@ class EngineLivenessAnswer(Fix):
         self._stamp_site = self.errors.site("engine_liveness.loop_state")
         self._input_site = self.errors.site("engine_liveness.input_thread")
         self._progress_site = self.errors.site("engine_liveness.progress")
+        self._details_site = self.errors.site("engine_liveness.snapshot_details")
         self._reset()
 
     def _reset(self) -> None:
@@ -122,6 +125,8 @@ class EngineLivenessAnswer(Fix):
         """Net progress kept after each step; off after an internal error there."""
         self.input_thread = True
         """Pings answered in the input thread; off after an internal error there."""
+        self.detailing = True
+        """Answers carry the stall snapshot's details; off after an internal error there."""
         self._local = threading.local()
         self._announced = False
 
@@ -145,6 +150,7 @@ class EngineLivenessAnswer(Fix):
             "input_thread": self.input_thread,
             "loop_state": self.stamping,
             "progress": self.progressing,
+            "snapshot_details": self.detailing,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -154,6 +160,8 @@ class EngineLivenessAnswer(Fix):
             self.stamping = False
         elif where == self._progress_site.name:
             self.progressing = False
+        elif where == self._details_site.name:
+            self.detailing = False
         elif where == self._adopt_site.name:
             self.adopting = False
 
@@ -295,7 +303,10 @@ class EngineLivenessAnswer(Fix):
                 reply["loop"] = record.loop.snapshot()
             scheduler = getattr(engine, SCHEDULER_ATTR, None)
             if record is not None and self.progressing and scheduler is not None:
-                reply["progress"] = progress_snapshot(record, scheduler)
+                reply["progress"] = progress = progress_snapshot(record, scheduler)
+                if self.detailing and stall_building(record, progress):
+                    with self._details_site:
+                        reply[KEY_DETAILS] = engine_details(engine, scheduler)
             reply["counts"] = dict(self.counts())
         return reply
 
@@ -312,7 +323,20 @@ def progress_snapshot(record: Adopted, scheduler: Any) -> dict[str, Any]:
         "stalled_s": progress.stalled_s(scheduler, until),
         "empty_steps": progress.empty_steps,
         "steps": progress.steps,
+        "step_counts": list(progress.step_counts),
+        "step_sum": progress.step_sum,
+        "recent_steps_s": [round(d, 6) for d in progress.recent_steps()],
     }
+
+
+def stall_building(record: Adopted, progress: dict[str, Any]) -> bool:
+    """Whether this answer carries the snapshot's details: no net progress, or one step,
+    add or abort, for :data:`DETAIL_AFTER_S` (a healthy engine's answers stay small)."""
+    stalled = progress.get("stalled_s")
+    if isinstance(stalled, float) and stalled >= DETAIL_AFTER_S:
+        return True
+    phase = record.loop.phase
+    return phase.state in STUCK_STATES and time.monotonic() - phase.since >= DETAIL_AFTER_S
 
 
 def _own(cls: Any, attr: str) -> Any:
@@ -366,7 +390,8 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
         loop = record.loop
         previous = loop.phase
         try:
-            loop.phase = new(Phase, (STEP, "", monotonic()))
+            started = monotonic()
+            loop.phase = new(Phase, (STEP, "", started))
             if stamp_site.fail:
                 raise InjectedFault(f"fault injected at {stamp_site.name}")
         except Exception as exc:
@@ -379,7 +404,7 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
             loop.phase = new(Phase, (IDLE, "", now)) if previous[0] == IDLE else previous
         if fix.progressing:
             try:
-                record.progress.after_step(self.__dict__.get(SCHEDULER_ATTR), now)
+                record.progress.after_step(self.__dict__.get(SCHEDULER_ATTR), now, started)
                 if progress_site.fail:
                     raise InjectedFault(f"fault injected at {progress_site.name}")
             except Exception as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Any
 
 from ..core import log, registry, signals
@@ -38,8 +39,19 @@ from ..vllm_layout import (
     HEALTH_METHOD,
     HEALTH_TARGET,
 )
-from .heartbeat import PING_INTERVAL_S, Liveness, accepts_engine
+from .heartbeat import PING_INTERVAL_S, EngineBeat, Liveness, accepts_engine
 from .owns import HEALTH_ID
+from .snapshot import (
+    KEY_DETAILS,
+    KEY_KIND,
+    KEY_SCHEMA,
+    KEY_VERDICT,
+    KIND_VALUE,
+    SNAPSHOT_SCHEMA,
+    SnapshotWriter,
+    describe_request,
+    oldest_request,
+)
 
 PATCH_ID = HEALTH_ID
 
@@ -53,6 +65,7 @@ class EngineHealth(Fix):
         super().__init__()
         self._site = self.errors.site("engine_health.check")
         self._beat_site = self.errors.site("engine_health.heartbeat")
+        self._snapshot_site = self.errors.site("engine_health.snapshot")
         self._reset()
 
     def _reset(self) -> None:
@@ -64,6 +77,8 @@ class EngineHealth(Fix):
         self.switched_off: str | None = None
         self.serving = False
         self._error_classes: dict[type, type] = {}
+        self.snapshots: SnapshotWriter | None = None
+        """Writes the stall snapshot at a verdict (None: off, after an internal error)."""
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -87,6 +102,9 @@ class EngineHealth(Fix):
         if progress.problem and self.note_problem(progress.problem):
             log.warning("%s", progress.problem)
         self.progress_timeout = progress.value
+        self.snapshots = SnapshotWriter()
+        if self.snapshots.problem and self.note_problem(self.snapshots.problem):
+            log.warning("%s", self.snapshots.problem)
         self.liveness = Liveness(
             setting.value,
             step_timeout=self.step_timeout,
@@ -94,6 +112,7 @@ class EngineHealth(Fix):
             on_answer=signals.ENGINE_ANSWERED.send,
             guard=self._beat_site,
             enabled=lambda: self.switched_off is None,
+            on_verdict=self.on_verdict,
         )
 
     def _uninstall(self) -> None:
@@ -113,9 +132,24 @@ class EngineHealth(Fix):
             "targets": list(self.targets),
             "switched_off": self.switched_off,
             "engines": self.liveness.status() if self.liveness else [],
+            "snapshots": self._snapshot_status(),
+        }
+
+    def _snapshot_status(self) -> dict[str, Any] | None:
+        writer = self.snapshots
+        if writer is None:
+            return None
+        return {
+            "directory": str(writer.directory),
+            "written": writer.written,
+            "failed": writer.failed,
+            "last": writer.last_path,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
+        if where == self._snapshot_site.name:
+            self.snapshots = None  # the verdicts and /health go on without snapshots
+            return
         self.switched_off = f"internal error at {where}: {exc!r}"
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
         liveness = self.liveness
@@ -233,6 +267,45 @@ class EngineHealth(Fix):
             engine_beat.failed_checks += 1
             signals.ENGINE_HEALTH_FAILED.send(engine_beat.name)
         return "; ".join(b.stuck or "" for b in stuck) or None
+
+    def on_verdict(self, beat: EngineBeat, kind: str, text: str) -> str:
+        """The first verdict of a stall episode: the snapshot file is written off the event
+        loop; returns what the WARNING adds (the oldest stuck request, the file)."""
+        extra = ""
+        with self._snapshot_site:
+            details = beat.details
+            oldest = oldest_request(details)
+            extra = f"; {describe_request(oldest)}"
+            writer = self.snapshots
+            if writer is None:
+                return extra
+            when = time.time()
+            path = writer.path_for(beat.name, when)
+            data: dict[str, Any] = {
+                KEY_SCHEMA: SNAPSHOT_SCHEMA,
+                KEY_KIND: KIND_VALUE,
+                "written_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)),
+                "api_server": process_label(),
+                "engine": beat.name,
+                KEY_VERDICT: {"class": kind, "text": text},
+                "oldest_stuck_request": oldest,
+                "settings": {
+                    "health_timeout_s": self.timeout,
+                    "step_timeout_s": self.step_timeout,
+                    "progress_timeout_s": self.progress_timeout,
+                },
+                "last_answer": {
+                    "answered_at": beat.answered_wall,
+                    "round_trip_s": beat.round_trip_s,
+                    "pending_pings": len(beat.pending),
+                    "loop": beat.loop,
+                    "progress": beat.progress,
+                },
+                KEY_DETAILS: details,
+            }
+            writer.write(data, path)
+            extra += f"; snapshot: {path}"
+        return extra
 
     def error(self, text: str) -> BaseException:
         """vLLM's ``EngineDeadError`` (a subclass saying why), or a RuntimeError without it."""

@@ -64,6 +64,7 @@ from ..vllm_layout import (
     UTILITY_SHUTDOWN_REPLY,
 )
 from .busy_loop import STEP, STUCK_STATES, VIA_INPUT_THREAD
+from .snapshot import KEY_DETAILS
 
 TICK_S = 1.0
 """How often the heartbeat wakes: sends what is due, takes the silent verdict."""
@@ -89,8 +90,11 @@ NO_PROGRESS = "no_progress"
 ENGINE_NO_PROGRESS = "EngineCore makes no net progress"
 """The WARNING of the no-progress verdict (log scans and alerts grep for it)."""
 DEFAULT_PROGRESS_TIMEOUT = 60.0
+VERDICT_CLASS = "stall class:"
+"""In the verdict's WARNING, before the class (``silent``, ``loop``, ``no_progress``)."""
 
 Clock = Callable[[], float]
+OnVerdict = Callable[["EngineBeat", str, str], str]
 
 
 def engine_rank(identity: Any, index: int) -> int:
@@ -166,6 +170,10 @@ class EngineBeat:
     """Net progress in the last answer (``stalled_s``, ``empty_steps``, ``steps``)."""
     counts: dict[str, Any] | None = None
     """The plugin counters EngineCore sent with its last answer."""
+    details: dict[str, Any] | None = None
+    """The stall snapshot's details in the last answer (only while a stall builds)."""
+    verdicts: dict[str, int] = field(default_factory=dict)
+    """Stall episodes that failed ``/health``, per verdict class."""
     stuck: str | None = None
     """Why ``/health`` fails for this engine (None: it does not)."""
     stuck_kind: str | None = None
@@ -212,8 +220,12 @@ class Heartbeat:
         enabled: Callable[[], bool] = lambda: True,
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
         progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT,
+        on_verdict: OnVerdict | None = None,
     ) -> None:
         self.timeout = timeout
+        self.on_verdict = on_verdict
+        """Called at the first verdict of an episode; returns text for the WARNING (the
+        snapshot's file). Must not raise (it guards its own work)."""
         self.step_timeout = max(step_timeout, timeout)
         self.progress_timeout = progress_timeout
         """Seconds without net progress while eligible work waits (0: not judged)."""
@@ -375,6 +387,8 @@ class Heartbeat:
         beat.progress = dict(progress) if isinstance(progress, Mapping) else None
         counts = reply.get("counts")
         beat.counts = dict(counts) if isinstance(counts, Mapping) else None
+        details = reply.get(KEY_DETAILS)
+        beat.details = dict(details) if isinstance(details, Mapping) else None
         self.on_answer(beat.name, beat.round_trip_s)
         self.judge_loop(beat)
 
@@ -454,14 +468,24 @@ class Heartbeat:
         first = beat.stuck is None
         beat.stuck, beat.stuck_kind = text, kind
         if first:
+            beat.verdicts[kind] = beat.verdicts.get(kind, 0) + 1
+            extra = ""
+            if self.on_verdict is not None:
+                try:
+                    extra = self.on_verdict(beat, kind, text)
+                except Exception:  # its own guard failed: the verdict stands without it
+                    extra = ""
             log.warning(
-                "%s in %s: %s; /health now fails. Run 'vllm-mmcache-fix diagnose --pid <API "
-                "server pid>' to see where",
+                "%s in %s: %s; /health now fails (%s %s)%s. Run 'vllm-mmcache-fix diagnose "
+                "--pid <API server pid>' to see where",
                 {SILENT: ENGINE_NOT_ANSWERING, NO_PROGRESS: ENGINE_NO_PROGRESS}.get(
                     kind, ENGINE_LOOP_STUCK
                 ),
                 process_label(),
                 text,
+                VERDICT_CLASS,
+                kind,
+                extra,
             )
 
     def _clear_stuck(self, beat: EngineBeat) -> None:
@@ -546,6 +570,7 @@ class Liveness:
     enabled: Callable[[], bool] = lambda: True
     step_timeout: float = DEFAULT_STEP_TIMEOUT
     progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+    on_verdict: OnVerdict | None = None
 
     def attach(self, client: Any) -> Heartbeat | None:
         """The heartbeat of ``client``, started now (in the running loop) if it was not;
@@ -563,6 +588,7 @@ class Liveness:
             enabled=self.enabled,
             step_timeout=self.step_timeout,
             progress_timeout=self.progress_timeout,
+            on_verdict=self.on_verdict,
         )
         self.heartbeats[client] = beat
         beat.start()
@@ -583,6 +609,20 @@ class Liveness:
         for beat in self._all():
             if beat.client_index == 0:
                 return [b.counts for b in list(beat.beats) if b.counts is not None] or None
+        return None
+
+    def progress_figures(self) -> list[dict[str, Any]] | None:
+        """Per engine, from the first API server only (as :meth:`engine_counts`): seconds
+        without net progress, empty steps, the step-duration histogram, verdicts by class."""
+        for beat in self._all():
+            if beat.client_index != 0 or beat.stopped is not None:
+                continue
+            out: list[dict[str, Any]] = []
+            for engine in list(beat.beats):
+                if engine.off is not None or engine.progress is None:
+                    continue
+                out.append({"engine": engine.name, **engine.progress, "verdicts": engine.verdicts})
+            return out or None
         return None
 
     def ages(self, now: float | None = None) -> dict[str, float]:

@@ -69,6 +69,11 @@ def _engine_ages(root: Root) -> Mapping[str, float] | None:
     return liveness.ages() if liveness is not None else None
 
 
+def _engine_progress(root: Root) -> list[Mapping[str, Any]] | None:
+    liveness = _liveness(root)
+    return liveness.progress_figures() if liveness is not None else None
+
+
 ANSWER = Declaration(
     fix_id=ANSWER_ID,
     build=_build_answer,
@@ -194,4 +199,5 @@ HEALTH = Declaration(
     active=messages.LIVENESS_ACTIVE,
     engine_counts=_engine_counts,
     engine_ages=_engine_ages,
+    engine_progress=_engine_progress,
 )

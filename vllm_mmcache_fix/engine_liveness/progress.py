@@ -25,6 +25,7 @@ the last net progress while eligible work waited.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import Any
 
 SCHEDULER_ATTR = "scheduler"
@@ -32,13 +33,30 @@ SCHEDULER_ATTR = "scheduler"
 HWM_ATTR = "_mmcache_fix_hwm"
 """On a vLLM ``Request``: the most computed tokens it reached (the high-water mark)."""
 _NOT_READY = "WAITING_FOR"
+STEP_BOUNDS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds (seconds) of the step-duration histogram EngineCore keeps (the last bucket,
+past 5 s, is unbounded); ``mmcache_fix_engine_step_seconds`` exports it."""
+RECENT_STEPS = 16
+"""Step durations kept (a ring), for the stall snapshot."""
 """Prefix of vLLM's ``RequestStatus`` names of a waiting request that is not eligible."""
 
 
 class Progress:
     """Written by the busy loop; read by the input thread (plain floats and ints)."""
 
-    __slots__ = ("since", "work", "requests", "empty_steps", "steps", "unpaused", "usable")
+    __slots__ = (
+        "since",
+        "work",
+        "requests",
+        "empty_steps",
+        "steps",
+        "unpaused",
+        "usable",
+        "step_counts",
+        "step_sum",
+        "recent",
+        "timed",
+    )
 
     def __init__(self) -> None:
         self.since = time.monotonic()
@@ -56,6 +74,20 @@ class Progress:
         """Whether the scheduler has vLLM's ``requests``, ``running`` and ``waiting`` (a
         custom ``--scheduler-cls`` may not): checked at the first step; never judged
         without them."""
+        self.step_counts = [0] * (len(STEP_BOUNDS) + 1)
+        """Steps per duration bucket (:data:`STEP_BOUNDS`, then the unbounded one)."""
+        self.step_sum = 0.0
+        self.recent = [0.0] * RECENT_STEPS
+        """The last step durations, a ring indexed by :attr:`timed`."""
+        self.timed = 0
+
+    def recent_steps(self) -> list[float]:
+        """The last step durations, oldest first (read from the input thread)."""
+        timed, ring = self.timed, list(self.recent)
+        if timed < RECENT_STEPS:
+            return ring[:timed]
+        cut = timed % RECENT_STEPS
+        return ring[cut:] + ring[:cut]
 
     def added(self, now: float) -> None:
         """A request was added: the clock starts now if nothing waited."""
@@ -71,9 +103,15 @@ class Progress:
         if self.work and seconds > 0:
             self.since += seconds
 
-    def after_step(self, scheduler: Any, now: float) -> None:
-        """After one step of the busy loop: O(1) reads of the scheduler (``None``: nothing
-        to read, the clock stops)."""
+    def after_step(self, scheduler: Any, now: float, started: float = -1.0) -> None:
+        """After one step of the busy loop (begun at ``started``): its duration kept, then
+        O(1) reads of the scheduler (``None``: nothing to read, the clock stops)."""
+        if started >= 0.0:
+            took = now - started
+            self.step_counts[bisect_left(STEP_BOUNDS, took)] += 1
+            self.step_sum += took
+            self.recent[self.timed % RECENT_STEPS] = took
+            self.timed += 1
         if self.usable is not True:
             if self.usable is None:
                 self.usable = all(

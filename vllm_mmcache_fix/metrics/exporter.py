@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core.declaration import Count, Declaration
 from ..lru_eviction import stats as cache_stats
+from . import liveness as liveness_metrics
 from . import names as n
 
 SYNC_INTERVAL_S = 1.0
@@ -161,6 +162,7 @@ class Exporter:
         on_error: Callable[[BaseException], None],
         ages: Callable[[], Mapping[str, float] | None] = lambda: None,
         declarations: Sequence[Declaration] | None = None,
+        progress: Callable[[], list[Mapping[str, Any]] | None] = lambda: None,
     ) -> None:
         self.local = local
         self.declarations = declarations
@@ -169,6 +171,8 @@ class Exporter:
         """Metric -> its deprecated former name, exported with the same value."""
         self.engines = engines
         self.ages = ages
+        self.progress = progress
+        """Per-engine liveness figures (``metrics.liveness``), or None."""
         self.on_error = on_error
         """Called once, with the last error, when the exporter gives up."""
         self.failed_syncs = 0
@@ -223,6 +227,25 @@ class Exporter:
                     made[name] = prom.Histogram(
                         name, help_text, list(spec.labels), buckets=n.ROUND_TRIP_BUCKETS
                     )
+        # -- engine liveness metrics (metrics.liveness: one block, moves as one) --
+        for spec in liveness_metrics.SPECS:
+            if spec.kind == "histogram":
+                made[spec.name] = prom.Histogram(
+                    spec.name,
+                    spec.help,
+                    list(spec.labels),
+                    buckets=liveness_metrics.BUCKETS[spec.name],
+                )
+            elif spec.kind == "counter":
+                made[spec.name] = prom.Counter(spec.name, spec.help, list(spec.labels))
+            else:
+                made[spec.name] = prom.Gauge(
+                    spec.name,
+                    spec.help,
+                    list(spec.labels),
+                    multiprocess_mode=spec.multiprocess_mode,  # type: ignore[arg-type]
+                )
+        # -- end of the engine liveness metrics --
         self.metrics = made
         from .. import __version__
         from ..core.process import vllm_version
@@ -282,9 +305,24 @@ class Exporter:
                         key = (metric, labels)
                         self.deltas.seen[key] = planned.seen[key]
                 self.deltas.gauges = planned.gauges
+                self._sync_liveness(planned)
                 self.failures_in_a_row = 0
         except Exception as exc:
             self._failed(exc)
+
+    def _sync_liveness(self, planned: Deltas) -> None:
+        """The engine liveness metrics (``metrics.liveness``); under the sync's lock."""
+        updates, histograms = liveness_metrics.plan(planned.increase, self.progress())
+        for metric, labels, op, amount in updates:
+            child = self._child(metric, labels)
+            if op == "inc":
+                child.inc(amount)
+            else:
+                child.set(amount)
+        for labels, per_bucket, total in histograms:
+            child = self._child(liveness_metrics.STEP_SECONDS, labels)
+            liveness_metrics.add_to_histogram(child, per_bucket, total)
+        self.deltas.seen = planned.seen
 
     def _failed(self, exc: BaseException) -> None:
         self.failed_syncs += 1

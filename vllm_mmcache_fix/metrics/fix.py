@@ -29,9 +29,10 @@ class PluginMetrics(Fix):
         engines: Callable[[], list[Mapping[str, Any]] | None],
         ages: Callable[[], Mapping[str, float] | None] = lambda: None,
         declarations: Sequence[Declaration] | None = None,
+        progress: Callable[[], list[Mapping[str, Any]] | None] = lambda: None,
     ) -> None:
         super().__init__()
-        self.exporter = Exporter(local, engines, self._sync_failed, ages, declarations)
+        self.exporter = Exporter(local, engines, self._sync_failed, ages, declarations, progress)
         self._site = self.errors.site("metrics.start")
         self._reset()
 

@@ -35,7 +35,13 @@ def _build(root: Root) -> Fix:
                 return declaration.engine_ages(root)
         return None
 
-    return PluginMetrics(root.counts, engines, ages, declarations)
+    def progress() -> list[Mapping[str, Any]] | None:
+        for declaration in declarations:
+            if declaration.engine_progress is not None:
+                return declaration.engine_progress(root)
+        return None
+
+    return PluginMetrics(root.counts, engines, ages, declarations, progress)
 
 
 DECLARATION = Declaration(

@@ -329,15 +329,45 @@ def add_patch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from . import diagnose
+    from .diagnose import snapshot
 
+    if args.pid is None and args.snapshot is None:
+        args.usage_error("the following arguments are required: --pid (or --snapshot FILE)")
+    shown: tuple[Path, dict[str, Any]] | None = None
+    if args.snapshot is not None:
+        try:
+            shown = (args.snapshot, snapshot.load_snapshot(args.snapshot))
+        except snapshot.SnapshotError as exc:
+            return _error("diagnose", str(exc), args.json, pid=args.pid)
+    if args.pid is None:
+        assert shown is not None
+        if args.json:
+            _print_json({"stall_snapshot": {"path": str(shown[0]), **shown[1]}})
+        else:
+            print(snapshot.render_snapshot(shown[1], shown[0]))
+        return 0
     try:
         result = diagnose.diagnose(args.pid, interval=args.interval, use_py_spy=not args.no_py_spy)
     except diagnose.DiagnoseError as exc:
         return _error("diagnose", str(exc), args.json, pid=args.pid)
+    if shown is None:
+        # The newest stall snapshot an API server of this process tree wrote, if any.
+        found = snapshot.find_snapshot([args.pid, *(p.pid for p in result.processes)])
+        if found is not None:
+            try:
+                shown = (found, snapshot.load_snapshot(found))
+            except snapshot.SnapshotError:
+                shown = None
     if args.json:
-        _print_json(result.as_dict())
+        out = result.as_dict()
+        if shown is not None:
+            out["stall_snapshot"] = {"path": str(shown[0]), **shown[1]}
+        _print_json(out)
     else:
         print(diagnose.render(result))
+        if shown is not None:
+            print()
+            print(snapshot.render_snapshot(shown[1], shown[0]))
     return diagnose.exit_code(result)
 
 
@@ -463,7 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     diag = sub.add_parser("diagnose", help="is a live vLLM process frozen? (reads /proc)")
-    diag.add_argument("--pid", type=_pid, required=True, help="API server or EngineCore PID")
+    diag.add_argument("--pid", type=_pid, help="API server or EngineCore PID")
+    diag.add_argument(
+        "--snapshot",
+        type=Path,
+        help="a stall snapshot file the API server wrote at a /health verdict (shown; with "
+        "--pid, else the newest one of the process tree found in MMCACHE_FIX_SNAPSHOT_DIR)",
+    )
     diag.add_argument(
         "--interval",
         type=_seconds(MIN_INTERVAL, MAX_INTERVAL_S),
@@ -472,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diag.add_argument("--no-py-spy", action="store_true", help="skip the stack dumps")
     diag.add_argument("--json", action="store_true", help="machine-readable output")
-    diag.set_defaults(func=cmd_diagnose)
+    diag.set_defaults(func=cmd_diagnose, usage_error=diag.error)
 
     patch = sub.add_parser(
         "patch",
