@@ -332,6 +332,10 @@ class Exporter:
             self._stop.set()
             self.on_error(exc)
 
+    def _child(self, metric: str, labels: Labels) -> Any:
+        obj = self.metrics[metric]
+        return obj.labels(**dict(labels)) if labels else obj
+
     def _children(self, metric: str, labels: Labels) -> list[Any]:
         """The series of ``metric`` with ``labels``, and of its deprecated alias if any."""
         children = []
