@@ -11,6 +11,7 @@ import collections
 import enum
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -446,3 +447,16 @@ def test_an_error_in_the_details_leaves_the_answer_whole(monkeypatch: pytest.Mon
         assert reply["input_thread"] is True and reply["counts"] == {"protected": 1}
     assert fix.detailing is False and fix.errors.counts == {"engine_liveness.snapshot_details": 1}
     assert fix.progressing and fix.stamping and fix.input_thread  # the rest goes on
+
+
+def test_two_episodes_in_one_millisecond_get_two_files_diagnose_finds(tmp_path: Path) -> None:
+    writer = snap.SnapshotWriter({ENV_SNAPSHOT_DIR: str(tmp_path)})
+    when = 1_800_000_000.123
+    first, second = writer.path_for("EngineCore", when), writer.path_for("EngineCore", when)
+    assert first != second
+    data = {snap.KEY_SCHEMA: 1, snap.KEY_KIND: snap.KIND_VALUE}
+    for path in (first, second):
+        writer.write(data, path).join(10)
+    assert sorted(tmp_path.glob(f"{snap.FILE_PREFIX}*.json")) == sorted([first, second])
+    assert diag.find_snapshot([os.getpid()], tmp_path) in {first, second}
+    assert diag.find_snapshot([os.getpid() + 1], tmp_path) is None

@@ -19,6 +19,7 @@ Two ends:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -232,10 +233,14 @@ class SnapshotWriter:
         self.last_path: str | None = None
         self.last_error: str | None = None
         self._warned = False
+        self._episodes = itertools.count(1)
 
     def path_for(self, engine: str, when: float) -> Path:
+        """A name no other snapshot of this process has (episodes of two engines, or two
+        of one engine, can start within the same millisecond)."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when))
-        name = f"{FILE_PREFIX}{engine}-{os.getpid()}-{stamp}-{int(when * 1000) % 1000:03d}.json"
+        ms = int(when * 1000) % 1000
+        name = f"{FILE_PREFIX}{engine}-{os.getpid()}-{stamp}-{ms:03d}-{next(self._episodes)}.json"
         return self.directory / name
 
     def write(self, data: dict[str, Any], path: Path) -> threading.Thread:

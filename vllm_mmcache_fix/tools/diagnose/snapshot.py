@@ -26,7 +26,9 @@ from ...engine_liveness.snapshot import (
     MAX_BYTES,
 )
 
-_PID_IN_NAME = re.compile(rf"^{re.escape(FILE_PREFIX)}.+?-(\d+)-\d{{8}}T\d{{6}}-\d{{3}}\.json$")
+_PID_IN_NAME = re.compile(
+    rf"^{re.escape(FILE_PREFIX)}.+?-(\d+)-\d{{8}}T\d{{6}}-\d{{3}}(?:-\d+)?\.json$"
+)
 SHOWN_FRAMES = 6
 """Innermost frames shown per thread in the text (the JSON keeps all)."""
 
