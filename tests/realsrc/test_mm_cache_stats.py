@@ -96,12 +96,16 @@ shared = Fixed(2000, getsizeof=size_of)
 stats.track(shared, MultiModalKwargsItem)
 errors = []
 def worker(seed):
-    try:
-        for i in range(3000):
-            key = f"k{(i * seed) % 40}"
+    for i in range(3000):
+        key = f"k{(i * seed) % 40}"
+        try:
             drive(shared, [(key, item("image" if i % 2 else "video", 100))])
-    except Exception as exc:  # vLLM's own races may raise KeyError; nothing may hang
-        errors.append(repr(exc))
+        except KeyError as exc:
+            # cachetools' own insert is not thread-safe: a KeyError now and then, as in
+            # vLLM. The thread goes on, so every run makes 6000 calls, however loaded
+            # the machine (a thread that stopped at its first error made a run of a few
+            # calls, where one lost count is a tenth of them).
+            errors.append(repr(exc))
 threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in (3, 7)]
 for t in threads: t.start()
 for t in threads: t.join(60)
@@ -190,3 +194,4 @@ def test_two_threads_are_counted_and_never_hang(outcomes: dict, case) -> None:
     assert 0 < threaded["hits"] + threaded["misses"] <= 6000
     assert threaded["hits"] + threaded["misses"] >= 0.9 * threaded["lookups"]
     assert threaded["evictions"] > 0
+    assert len(threaded["errors"]) < 600, threaded["errors"][:5]
