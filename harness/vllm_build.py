@@ -24,7 +24,9 @@ describes a build from source (``VLLM_TARGET_DEVICE=cpu``, the build requirement
 * vLLM's CMake refuses any GCC older than 12.3 for the x86 backend while its own
   installation page calls that compiler "optional, recommended". Where the compiler is
   GCC 12.0-12.2 (Debian 12 ships 12.2.0), the gate is lowered to the compiler's
-  version in the unpacked tree; the build record names the edit.
+  version in the unpacked tree; the build record names the edit. That GCC crashes on
+  one kernel of 0.34 (an internal compiler error in ``csrc/cpu/sgl-kernels/flash_mla.cpp``);
+  a function-local constant there is made ``static``, the same value, also recorded.
 
 Everything lands under ``<cache>/build/vllm-X/`` (sdist, unpacked tree, build venv, log)
 and the wheel in ``<cache>/wheels/built/`` with a JSON record beside it (build time,
@@ -363,7 +365,31 @@ def _edits(src: Path, gcc: str) -> list[str]:
                 f"cmake/cpu_extension.cmake: the x86 backend's GCC >= 12.3 gate lowered to "
                 f"{parts[0]}.{parts[1]} (GCC {gcc} here)"
             )
+        edits += _static_block_constants(src, gcc)
     return edits
+
+
+_LOCAL_CONSTEXPR = re.compile(r"^(\s+)constexpr (int64_t kBLOCK_H_MAX = )", re.MULTILINE)
+
+
+def _static_block_constants(src: Path, gcc: str) -> list[str]:
+    """GCC 12.2 crashes on 0.34's sparse MLA kernel (an ICE in lookup_template_class_1 at
+    ``float s_i[kBLOCK_H_MAX * BLOCK_N]``: a function-local constexpr used as an array
+    bound inside a lambda of a template); ``static constexpr`` is the same constant and
+    compiles. The kernel serves DeepSeek's sparse MLA, no model this project runs."""
+    path = src / "csrc" / "cpu" / "sgl-kernels" / "flash_mla.cpp"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    new, n = _LOCAL_CONSTEXPR.subn(r"\g<1>static constexpr \g<2>", text)
+    if n:
+        path.write_text(new)
+    if n or "static constexpr int64_t kBLOCK_H_MAX = " in text:
+        return [
+            "csrc/cpu/sgl-kernels/flash_mla.cpp: function-local kBLOCK_H_MAX made static "
+            f"constexpr (GCC {gcc} stops with an internal compiler error on it)"
+        ]
+    return []
 
 
 def _check_system() -> None:
