@@ -62,6 +62,43 @@ def test_engine_counts_are_summed_and_a_restart_is_not_negative() -> None:
     assert restarted[(n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")] == 2
 
 
+def test_an_engine_that_leaves_takes_nothing_back() -> None:
+    # DP=2: each engine's counters feed one series by their own increase. When DP1 leaves,
+    # the series does not drop (Prometheus would read a reset, increase() a jump).
+    deltas = Deltas()
+    core = (("process", "engine_core"),)
+    ghost = (n.CACHE_REPAIRS, core + (("repair", n.REPAIR_GHOST),), "inc")
+    dp0 = {"mmcache|process|EngineCore_DP0": 1, "protected": 1, "ghost_keys_dropped": 5}
+    dp1 = {"mmcache|process|EngineCore_DP1": 1, "protected": 1, "ghost_keys_dropped": 40}
+    assert as_map(plan(deltas, LOCAL, [dp0, dp1]))[ghost] == 45
+    left = as_map(plan(deltas, LOCAL, [{**dp0, "ghost_keys_dropped": 6}]))
+    assert left[ghost] == 1
+    assert left[(n.PROTECTED_PROCESSES, (("kind", "engine_core"),), "set")] == 1
+    # DP1 comes back as a new process, counting from 0: its counts are all new.
+    back = as_map(
+        plan(deltas, LOCAL, [{**dp0, "ghost_keys_dropped": 6}, {**dp1, "ghost_keys_dropped": 2}])
+    )
+    assert back[ghost] == 2
+    # An order change of the answers moves nothing.
+    swapped = as_map(
+        plan(deltas, LOCAL, [{**dp1, "ghost_keys_dropped": 2}, {**dp0, "ghost_keys_dropped": 6}])
+    )
+    assert swapped[ghost] == 0
+
+
+def test_engines_without_caches_are_followed_by_the_name_the_heartbeat_gives() -> None:
+    # A text-only engine builds no multimodal cache (no process key in its counts): the
+    # heartbeat's engine name keeps DP0 the same series after DP1 leaves.
+    from vllm_mmcache_fix.core.declaration import ENGINE_NAME_KEY
+
+    deltas = Deltas()
+    stalls = (n.STALLS, (("process", "engine_core"), ("cause", n.CAUSE_BUSY)), "inc")
+    dp0 = {ENGINE_NAME_KEY: "EngineCore_DP0", "stalls_busy": 3}
+    dp1 = {ENGINE_NAME_KEY: "EngineCore_DP1", "stalls_busy": 4}
+    assert as_map(plan(deltas, LOCAL, [dp0, dp1]))[stalls] == 7
+    assert as_map(plan(deltas, LOCAL, [dp0]))[stalls] == 0
+
+
 def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     prom = pytest.importorskip("prometheus_client")
     engines = [{"protected": 1, "ghost_keys_dropped": 7}]

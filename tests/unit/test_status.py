@@ -169,6 +169,21 @@ def test_warn_mode_is_inactive(server: Server, exporter) -> None:
     assert report.verdict.value == "inactive" and report.exit_code == exits.INACTIVE.code
 
 
+@pytest.mark.parametrize(("second", "verdict"), [(1, "protected"), (0, "inactive")])
+def test_dp_engines_are_counted_not_summed(server: Server, exporter, second, verdict) -> None:
+    # DP=2: the protected series counts protected EngineCores; with one of two in warn
+    # mode the sum is 1, which alone would read "protected".
+    ages = {"EngineCore_DP0": 0.5, "EngineCore_DP1": 0.7}
+    exporter(engines=({"protected": 1}, {"protected": second}), ages=lambda: ages)
+    report = read_status(server.url, settle=0.1)
+    assert report.verdict.value == verdict, report.summary
+    if verdict == "inactive":
+        assert "only 1 of 2 EngineCores" in report.summary
+        assert report.exit_code == exits.INACTIVE.code
+    else:
+        assert "2 EngineCore(s)" in report.summary
+
+
 def test_no_plugin_series_is_unprotected(server: Server) -> None:
     server.metrics = lambda: VLLM_ONLY
     report = read_status(server.url, settle=0.1)

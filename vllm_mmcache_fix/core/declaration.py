@@ -35,6 +35,10 @@ if TYPE_CHECKING:
         def declarations(self) -> tuple[Declaration, ...]: ...
 
 
+ENGINE_NAME_KEY = "engine_name"
+"""The key of an engine's name in the counts ``Declaration.engine_counts`` gives."""
+
+
 @frozen
 class MetricSpec:
     """One ``mmcache_fix_*`` metric: its one name, type, labels and description."""
@@ -114,7 +118,8 @@ class Declaration:
     """The text its log line starts with once it acts in a process (``core.messages``)."""
     engine_counts: Callable[[Root], list[Mapping[str, Any]] | None] | None = None
     """For the fix that hears from EngineCores: the counts each last sent (its answers'
-    payload), or None where this API server does not export them."""
+    payload, with the engine's name under ``ENGINE_NAME_KEY``), or None where this API server
+    does not export them."""
     engine_ages: Callable[[Root], Mapping[str, float] | None] | None = None
     """For the same fix: seconds since each EngineCore last answered, by engine name."""
     engine_progress: Callable[[Root], list[Mapping[str, Any]] | None] | None = None

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import log
+from ..core.declaration import ENGINE_NAME_KEY
 from ..core.messages import (
     ENGINE_ANSWERS_AGAIN,
     ENGINE_CHECK_OFF,
@@ -608,7 +609,10 @@ class Liveness:
         alert that the engine is not protected while it is only not yet asked)."""
         for beat in self._all():
             if beat.client_index == 0:
-                return [b.counts for b in list(beat.beats) if b.counts is not None] or None
+                # Each engine's counts carry its name: the exporter follows each engine's
+                # counters by it, so one that leaves takes nothing back from a summed series.
+                found = [(b.name, b.counts) for b in list(beat.beats) if b.counts is not None]
+                return [{**counts, ENGINE_NAME_KEY: name} for name, counts in found] or None
         return None
 
     def progress_figures(self) -> list[dict[str, Any]] | None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.declaration import Count, Declaration
+from ..core.declaration import ENGINE_NAME_KEY, Count, Declaration
 from ..lru_eviction import stats as cache_stats
 from . import liveness as liveness_metrics
 from . import names as n
@@ -52,6 +52,13 @@ class Deltas:
     """The cache gauges set by the last plan: one no longer reported (its engine left) is set
     to 0 once."""
 
+    parts: dict[tuple[str, Labels], tuple[tuple[str, Labels], ...]] = field(default_factory=dict)
+    """The entries of ``seen`` behind one summed series (one per engine), by that series."""
+
+    def entries_of(self, metric: str, labels: Labels) -> tuple[tuple[str, Labels], ...]:
+        """The entries of ``seen`` one update of ``(metric, labels)`` moved."""
+        return self.parts.get((metric, labels), ((metric, labels),))
+
     def increase(self, metric: str, labels: Labels, value: float) -> float:
         key = (metric, labels)
         before = self.seen.get(key, 0.0)
@@ -59,6 +66,10 @@ class Deltas:
         if value >= before:
             return value - before
         return value  # the source restarted (a new EngineCore, or the plugin re-installed)
+
+
+_ENGINE_KEY = "\0engine"
+"""The label of the per-engine entries in ``Deltas`` (never exported)."""
 
 
 def _num(counts: Mapping[str, Any], key: str) -> float:
@@ -99,10 +110,25 @@ def plan(
         export(count, labels, _num(local, count.key))
     if engines is not None:
         engines = list(engines)
+        names = [_engine_label(e, i, len(engines)) for i, e in enumerate(engines)]
         for count in table:
-            if count.process_label:
-                labels = ((count.process_label, n.KIND_ENGINE_CORE), *count.labels)
-                export(count, labels, sum(_num(e, count.key) for e in engines))
+            if not count.process_label:
+                continue
+            labels = ((count.process_label, n.KIND_ENGINE_CORE), *count.labels)
+            if count.metric in gauge_names:
+                updates.append(
+                    (count.metric, labels, "set", sum(_num(e, count.key) for e in engines))
+                )
+                continue
+            # One series for all engines, fed by each engine's own increase: an engine that
+            # leaves takes nothing back (a drop in the sum would read as a counter reset, and
+            # increase() over it as a jump), one that restarts counts again from 0.
+            parts = tuple((count.metric, (*labels, (_ENGINE_KEY, name))) for name in names)
+            rise = sum(
+                deltas.increase(*part, _num(e, count.key)) for part, e in zip(parts, engines)
+            )
+            deltas.parts[(count.metric, labels)] = parts
+            updates.append((count.metric, labels, "inc", rise))
     for engine, age in sorted((ages or {}).items()):
         updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
     gauges: set[tuple[str, Labels]] = set()
@@ -123,6 +149,9 @@ def _engine_label(counts: Mapping[str, Any], index: int, count: int) -> str:
     for key in counts:
         if isinstance(key, str) and key.startswith(cache_stats.KEY_PROCESS):
             return key[len(cache_stats.KEY_PROCESS) :]
+    name = counts.get(ENGINE_NAME_KEY)
+    if isinstance(name, str) and name:
+        return name
     return "EngineCore" if count == 1 else f"EngineCore_DP{index}"
 
 
@@ -302,8 +331,8 @@ class Exporter:
                         else:
                             child.set(amount)
                     if op == "inc":
-                        key = (metric, labels)
-                        self.deltas.seen[key] = planned.seen[key]
+                        for key in planned.entries_of(metric, labels):
+                            self.deltas.seen[key] = planned.seen[key]
                 self.deltas.gauges = planned.gauges
                 self._sync_liveness(planned)
                 self.failures_in_a_row = 0

@@ -363,6 +363,19 @@ def decide(
         return report
     api = report.protected.get(n.KIND_API_SERVER, 0.0)
     engines = report.protected.get(n.KIND_ENGINE_CORE)
+    # The protected series counts protected EngineCores; the engines the API server hears
+    # from (one last-answer series each) say how many there are: with DP=2, one protected
+    # engine out of two is not a protected server.
+    known = len(age_after)
+    if engines is not None and known > engines >= 1:
+        report.verdict = Verdict.INACTIVE
+        report.summary = (
+            f"vllm-mmcache-fix {report.plugin_version or ''} is loaded, but only {engines:g} of "
+            f"{known} EngineCores report a protected cache (MMCACHE_FIX_MODE=warn in some, or "
+            "a different vLLM or plugin in some engines' environment)"
+        ).replace("  ", " ")
+        report.remedy = "run `vllm-mmcache-fix check` in each engine's environment"
+        return report
     if api < 1 or (engines is not None and engines < 1):
         report.verdict = Verdict.INACTIVE
         who = "the API server" if api < 1 else "EngineCore"
