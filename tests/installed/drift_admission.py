@@ -121,7 +121,9 @@ def make_engine() -> Any:
     engine.input_processor = InputProcessor()
     engine.output_processor = OutputProcessor()
     engine.vllm_config = types.SimpleNamespace(
-        cache_config=types.SimpleNamespace(kv_sharing_fast_prefill=False)
+        cache_config=types.SimpleNamespace(kv_sharing_fast_prefill=False),
+        # 0.34's check_admission reads it first (refusing while fault tolerance recovers)
+        parallel_config=types.SimpleNamespace(enable_fault_tolerance=False),
     )
     engine.model_config = types.SimpleNamespace(is_encoder_decoder=False)
     engine.observability_config = types.SimpleNamespace(otlp_traces_endpoint=None)
