@@ -390,8 +390,14 @@ def phase_abort_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
             out["after_verdict_s"] = round(out["answered_s"] - PROGRESS_TIMEOUT_S, 2)
         good = poller.wait_first(200, answered, 20)
         out["health_200_after_s"] = round(good.at - answered, 2) if good else None
-        out["metrics_after"] = _plugin_metrics(url)
+        # The count reaches /metrics with the engine's next heartbeat answer (every 2 s) and
+        # the exporter's next sync (every 1 s): waited for, bounded.
+        counted = time.monotonic()
         out["stuck_aborts"] = stuck_aborts(metrics(url))
+        while out["stuck_aborts"] < 1 and time.monotonic() - counted < 10.0:
+            time.sleep(0.5)
+            out["stuck_aborts"] = stuck_aborts(metrics(url))
+        out["counted_after_s"] = round(time.monotonic() - counted, 2)
         trigger.unlink()
         payload = chat_payload("Describe picture 8.", make_png(5008), 2)
         second = http_post(url + "/v1/chat/completions", payload, 120)
