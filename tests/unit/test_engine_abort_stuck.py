@@ -233,3 +233,37 @@ def test_an_internal_error_switches_the_remedy_off_once(
         assert step(engine) is True  # vLLM's step goes on
     assert engine.steps == 3 and "a" in engine.scheduler.requests
     assert fix.aborting is False and fix.errors.total == 1
+
+
+class EngineWithoutSender(Engine):
+    """A release without ``_send_abort_outputs_to_client``: the finish goes on the output
+    queue as ``(client_index, outputs)``."""
+
+    _send_abort_outputs_to_client = None  # type: ignore[assignment]
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(scheduler)
+        self.output_queue: Any = None
+
+
+def test_without_vllms_sender_the_finish_goes_on_the_output_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fix = _fix(monkeypatch, "on")
+    monkeypatch.setattr(answer_mod, "finish_output", lambda rid: ("finish", rid))
+    engine = EngineWithoutSender(Scheduler(Request("stuck", time.time() - 60)))
+
+    class Queue(list):  # vLLM's output queue: put_nowait
+        def put_nowait(self, item: Any) -> None:
+            self.append(item)
+
+    engine.output_queue = Queue()
+    fix.adopt(engine)
+    record = engine.__dict__[ENGINE_ATTR]
+    record.progress.work = record.progress.usable = True
+    record.progress.requests = 1
+    record.progress.since = time.monotonic() - 100.0
+    engine.scheduler.running[0].__dict__[HWM_ATTR] = 0
+    answer_mod.make_step(fix, Engine._process_engine_step)(engine)
+    assert engine.output_queue == [(1, ("finish", "stuck"))]
+    assert not engine.scheduler.requests and fix.stuck_aborts == 1
