@@ -493,13 +493,29 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
         return _process_engine_step
     step = _process_engine_step
 
+    timeout = fix.abort_timeout
+    abort_site = fix._abort_site
+
     def _process_engine_step_abort_stuck(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Only with MMCACHE_FIX_ABORT_STUCK=on: the remedy's check after each step.
+        # Only with MMCACHE_FIX_ABORT_STUCK=on: after each step, a flat check of the clock
+        # (plain reads); the full verdict and the abort only once it may be due.
         result = step(self, *args, **kwargs)
         if fix.aborting:
             record = self.__dict__.get(ENGINE_ATTR)
             if record is not None:
-                fix.abort_stuck(self, record, monotonic())
+                try:
+                    progress = record.progress
+                    now = monotonic()
+                    maybe = (
+                        progress.work
+                        and now - progress.since >= timeout
+                        and now - record.aborted_at >= ABORT_INTERVAL_S
+                    )
+                except Exception as exc:
+                    fix.errors.record(abort_site.name, exc)
+                    maybe = False
+                if maybe:
+                    fix.abort_stuck(self, record, now)
         return result
 
     return _process_engine_step_abort_stuck
