@@ -349,6 +349,65 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _finish_reason(body: str) -> str | None:
+    with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+        return str(json.loads(body)["choices"][0]["finish_reason"])
+    return None
+
+
+def stuck_aborts(metrics: dict[str, float]) -> float:
+    """``mmcache_fix_engine_stuck_aborts_total`` over its series."""
+    return sum(v for k, v in metrics.items() if k.startswith(names.STUCK_ABORTS))
+
+
+def phase_abort_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """With ``MMCACHE_FIX_ABORT_STUCK=on``: the zero-token livelock while one request waits;
+    EngineCore aborts it once no net progress held for the progress timeout, so its client gets
+    an answer (finish_reason abort, or an error status) instead of waiting; ``/health`` is 200
+    after it; once the scheduler serves again, a second request completes normally."""
+    out: dict[str, Any] = {}
+    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        trigger = inject.trigger(trigger_dir, inject.LIVELOCK)
+        started = time.monotonic()
+        done = threading.Event()
+
+        def stuck_client() -> None:
+            payload = chat_payload("Describe picture 7.", make_png(5007), 2)
+            reply = http_post(url + "/v1/chat/completions", payload, limit + 60)
+            out["answered_s"] = round(time.monotonic() - started, 2)
+            out["status"] = reply.status
+            out["finish_reason"] = _finish_reason(reply.body)
+            out["body"] = reply.body[:300]
+            done.set()
+
+        request = threading.Thread(target=stuck_client, daemon=True)
+        request.start()
+        done.wait(limit + 60)
+        answered = time.monotonic()
+        # The engine-side verdict holds from the progress timeout after the request arrived.
+        if "answered_s" in out:
+            out["after_verdict_s"] = round(out["answered_s"] - PROGRESS_TIMEOUT_S, 2)
+        good = poller.wait_first(200, answered, 20)
+        out["health_200_after_s"] = round(good.at - answered, 2) if good else None
+        # The count reaches /metrics with the engine's next heartbeat answer (every 2 s) and
+        # the exporter's next sync (every 1 s): waited for, bounded.
+        counted = time.monotonic()
+        out["stuck_aborts"] = stuck_aborts(metrics(url))
+        while out["stuck_aborts"] < 1 and time.monotonic() - counted < 10.0:
+            time.sleep(0.5)
+            out["stuck_aborts"] = stuck_aborts(metrics(url))
+        out["counted_after_s"] = round(time.monotonic() - counted, 2)
+        trigger.unlink()
+        payload = chat_payload("Describe picture 8.", make_png(5008), 2)
+        second = http_post(url + "/v1/chat/completions", payload, 120)
+        out["second_status"] = second.status
+        out["second_finish_reason"] = _finish_reason(second.body)
+        out["statuses"] = sorted({str(p.status) for p in poller.polls})
+        request.join(5)
+    return out
+
+
 def phase_burn(url: str, trigger_dir: Path, seconds: float = BURN_S) -> dict[str, Any]:
     """``seconds`` of pure-Python work in the API server's request path (the event loop is
     blocked meanwhile: ``/health`` cannot answer with or without the plugin); after it,
@@ -485,6 +544,7 @@ def run_serve(
     *,
     lock: ServerLock,
     phases: tuple[str, ...] = SERVE_PHASES,
+    extra_env: dict[str, str] | None = None,
 ) -> Run:
     version = venv_vllm_version(venv)
     plugin = variant.startswith("plugin")
@@ -503,6 +563,7 @@ def run_serve(
                     ENV_STEP_TIMEOUT: f"{STEP_TIMEOUT_S:g}",
                     ENV_PROGRESS_TIMEOUT: f"{PROGRESS_TIMEOUT_S:g}",
                     "VLLM_SERVER_DEV_MODE": "1",
+                    **(extra_env or {}),
                 },
             ),
             step_sleep_s=STEP_SLEEP_S if "load" in phases else 0.0,
@@ -527,6 +588,7 @@ def run_serve(
                 "burn": lambda: phase_burn(url, trigger_dir),
                 "drop": lambda: phase_drop(url, trigger_dir),
                 "livelock": lambda: phase_livelock(url, trigger_dir),
+                "abort_stuck": lambda: phase_abort_stuck(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()

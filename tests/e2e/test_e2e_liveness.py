@@ -152,6 +152,8 @@ def test_a_zero_token_livelock_fails_health_in_time(
     failed = livelock["metrics_while_stuck"][f'{names.STUCK_HEALTH_CHECKS}{{engine="EngineCore"}}']
     assert failed >= 1, livelock
     assert run["log_scan"]["no_progress"] == 1, run["log_scan"]
+    # MMCACHE_FIX_ABORT_STUCK is off by default: nothing aborted (the request served, 200).
+    assert health_load.stuck_aborts(livelock["metrics_while_stuck"]) == 0, livelock
 
 
 def test_the_forked_engine_answers_from_its_input_thread(

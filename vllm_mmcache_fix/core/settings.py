@@ -182,6 +182,23 @@ def read_progress_timeout(environ: Mapping[str, str] | None = None) -> FloatSett
     )
 
 
+ENV_ABORT_STUCK = "MMCACHE_FIX_ABORT_STUCK"
+"""Whether EngineCore aborts the oldest stuck request at a zero-token livelock (default off)."""
+
+
+class Switch(str, enum.Enum):
+    OFF = "off"
+    ON = "on"
+
+
+DEFAULT_ABORT_STUCK = Switch.OFF
+
+
+def read_abort_stuck(environ: Mapping[str, str] | None = None) -> Setting[Switch]:
+    """``MMCACHE_FIX_ABORT_STUCK``: on | off (default off)."""
+    return read_choice(ENV_ABORT_STUCK, Switch, DEFAULT_ABORT_STUCK, environ)
+
+
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 10.0
 

@@ -20,6 +20,7 @@ every process model (spawned, forked, DP, Ray actors).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import threading
@@ -33,7 +34,14 @@ from ..core.guard import InjectedFault
 from ..core.lifecycle import DidNotEnable, Fix
 from ..core.messages import ANSWER_ACTIVE
 from ..core.process import process_label
-from ..core.settings import Mode, read_mode
+from ..core.settings import (
+    ENV_ABORT_STUCK,
+    Mode,
+    Switch,
+    read_abort_stuck,
+    read_mode,
+    read_progress_timeout,
+)
 from ..vllm_layout import (
     BUSY_LOOP_DISPATCH,
     BUSY_LOOP_INPUT,
@@ -63,6 +71,7 @@ from .busy_loop import (
 )
 from .owns import ANSWER_ID
 from .progress import SCHEDULER_ATTR, Progress
+from .remedy import ABORT_INTERVAL_S, due, finish_output, oldest
 from .snapshot import DETAIL_AFTER_S, KEY_DETAILS, engine_details
 
 PATCH_ID = ANSWER_ID
@@ -75,11 +84,13 @@ Counts = Callable[[], "dict[str, int]"]
 class Adopted:
     """What the plugin keeps on one adopted engine."""
 
-    __slots__ = ("loop", "hooked", "progress")
+    __slots__ = ("loop", "hooked", "progress", "aborted_at")
 
     def __init__(self) -> None:
         self.loop = LoopState()
         self.progress = Progress()
+        self.aborted_at = -math.inf
+        """When the remedy last aborted a request of this engine (``time.monotonic()``)."""
         self.hooked = False
         """Whether the input queue's ``put_nowait`` answers pings in the input thread."""
 
@@ -112,6 +123,7 @@ class EngineLivenessAnswer(Fix):
         self._input_site = self.errors.site("engine_liveness.input_thread")
         self._progress_site = self.errors.site("engine_liveness.progress")
         self._details_site = self.errors.site("engine_liveness.snapshot_details")
+        self._abort_site = self.errors.site("engine_liveness.abort_stuck")
         self._reset()
 
     def _reset(self) -> None:
@@ -129,6 +141,12 @@ class EngineLivenessAnswer(Fix):
         """Answers carry the stall snapshot's details; off after an internal error there."""
         self._local = threading.local()
         self._announced = False
+        self.abort_timeout = 0.0
+        """The progress timeout when ``MMCACHE_FIX_ABORT_STUCK=on`` (0: the remedy is off)."""
+        self.aborting = True
+        """The remedy works; off after an internal error there."""
+        self.stuck_aborts = 0
+        """Requests the remedy aborted in this process."""
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -136,6 +154,17 @@ class EngineLivenessAnswer(Fix):
         if read_mode().value is Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         self.errors.reload_faults()
+        abort = read_abort_stuck()
+        if abort.problem:
+            log.warning("%s", abort.problem)
+        if abort.value is Switch.ON:
+            timeout = read_progress_timeout()
+            self.abort_timeout = timeout.value
+            if timeout.value == 0:
+                log.warning(
+                    "%s=on has no effect: the progress rule is off (its timeout is 0)",
+                    ENV_ABORT_STUCK,
+                )
         fork.register()
 
     def _uninstall(self) -> None:
@@ -151,6 +180,8 @@ class EngineLivenessAnswer(Fix):
             "loop_state": self.stamping,
             "progress": self.progressing,
             "snapshot_details": self.detailing,
+            "abort_stuck": bool(self.abort_timeout) and self.aborting,
+            "stuck_aborts": self.stuck_aborts,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -164,6 +195,8 @@ class EngineLivenessAnswer(Fix):
             self.detailing = False
         elif where == self._adopt_site.name:
             self.adopting = False
+        elif where == self._abort_site.name:
+            self.aborting = False
 
     def _on_import(self, name: str) -> bool:
         module = sys.modules.get(ENGINE_CORE_CLASS.module)
@@ -270,6 +303,51 @@ class EngineLivenessAnswer(Fix):
                 record.progress.aborted(now)
             elif state == UTILITY:
                 record.progress.skip(now - since)
+
+    def abort_stuck(self, engine: Any, record: Adopted, now: float) -> None:
+        """After a step, on the busy loop's thread: at the ``no_progress`` verdict, abort the
+        oldest stuck request and send its client a finish (reason abort), as vLLM does for a
+        request it aborts itself. vLLM's calls are outside the guard."""
+        picked: tuple[str, int, float, float] | None = None
+        with self._abort_site:
+            if self._abort_site.fail:
+                raise InjectedFault(f"fault injected at {self._abort_site.name}")
+            scheduler = engine.__dict__.get(SCHEDULER_ATTR)
+            if scheduler is None:
+                return
+            stalled = record.progress.stalled_s(scheduler, now)
+            if not due(stalled, self.abort_timeout, record.aborted_at, now):
+                return
+            record.aborted_at = now
+            request = oldest(scheduler.requests.values())
+            if request is None:
+                return
+            arrived = getattr(request, "arrival_time", None)
+            age = time.time() - arrived if isinstance(arrived, (int, float)) else float("nan")
+            client = getattr(request, "client_index", 0)
+            picked = (str(request.request_id), int(client or 0), age, stalled)
+        if picked is None:
+            return
+        request_id, client, age, stalled = picked
+        engine.abort_requests([request_id])
+        send = getattr(engine, "_send_abort_outputs_to_client", None)
+        if callable(send):
+            send([request_id], client)
+        else:
+            engine.output_queue.put_nowait((client, finish_output(request_id)))
+        with self._abort_site:
+            self.stuck_aborts += 1
+            record.progress.aborted(time.monotonic())
+            log.warning(
+                "%s: aborted request %s (waiting %.1f s): no net progress for %.1f s while it "
+                "waited (zero-token livelock); its client gets finish_reason 'abort', the other "
+                "requests go on; the next abort of this engine at the earliest in %g s",
+                ENV_ABORT_STUCK,
+                request_id,
+                age,
+                stalled,
+                ABORT_INTERVAL_S,
+            )
 
     # -- the input thread ------------------------------------------------------------
 
@@ -411,7 +489,36 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
                 fix.errors.record(progress_site.name, exc)
         return result
 
-    return _process_engine_step
+    if fix.abort_timeout <= 0:
+        return _process_engine_step
+    step = _process_engine_step
+
+    timeout = fix.abort_timeout
+    abort_site = fix._abort_site
+
+    def _process_engine_step_abort_stuck(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Only with MMCACHE_FIX_ABORT_STUCK=on: after each step, a flat check of the clock
+        # (plain reads); the full verdict and the abort only once it may be due.
+        result = step(self, *args, **kwargs)
+        if fix.aborting:
+            record = self.__dict__.get(ENGINE_ATTR)
+            if record is not None:
+                try:
+                    progress = record.progress
+                    now = monotonic()
+                    maybe = (
+                        progress.work
+                        and now - progress.since >= timeout
+                        and now - record.aborted_at >= ABORT_INTERVAL_S
+                    )
+                except Exception as exc:
+                    fix.errors.record(abort_site.name, exc)
+                    maybe = False
+                if maybe:
+                    fix.abort_stuck(self, record, now)
+        return result
+
+    return _process_engine_step_abort_stuck
 
 
 def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:

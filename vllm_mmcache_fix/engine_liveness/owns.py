@@ -5,18 +5,22 @@ counts that arrive with each answer."""
 from __future__ import annotations
 
 from ..core import messages
-from ..core.declaration import Declaration, MetricSpec, PatchSpec
+from ..core.declaration import Count, Declaration, MetricSpec, PatchSpec
 from ..core.settings import (
+    DEFAULT_ABORT_STUCK,
     DEFAULT_HEALTH_TIMEOUT,
     DEFAULT_PROGRESS_TIMEOUT,
     DEFAULT_STEP_TIMEOUT,
+    ENV_ABORT_STUCK,
     ENV_HEALTH_TIMEOUT,
     ENV_PROGRESS_TIMEOUT,
     ENV_STEP_TIMEOUT,
     MIN_HEALTH_TIMEOUT,
     VLLM_STEP_TIMEOUT,
     SettingSpec,
+    choice_reader,
     float_reader,
+    read_abort_stuck,
     read_health_timeout,
     read_progress_timeout,
     read_step_timeout,
@@ -40,6 +44,8 @@ DEPRECATED_ROUND_TRIPS_FAILED = "mmcache_fix_engine_round_trips_failed_total"
 exported, with the same value, for one release (CHANGELOG)."""
 ENGINE_LAST_ANSWER_AGE = "mmcache_fix_engine_last_answer_age_seconds"
 """Seconds since each EngineCore last answered this API server's heartbeat (``engine``)."""
+STUCK_ABORTS = "mmcache_fix_engine_stuck_aborts_total"
+"""Requests EngineCore aborted at a zero-token livelock (``MMCACHE_FIX_ABORT_STUCK=on``)."""
 
 
 def _build_answer(root: Root) -> Fix:
@@ -53,6 +59,10 @@ def _build_health(root: Root) -> Fix:
     from .health import EngineHealth
 
     return EngineHealth()
+
+
+def _stuck_aborts(root: Root) -> int:
+    return int(getattr(root.built(ANSWER_ID), "stuck_aborts", 0) or 0)
 
 
 def _liveness(root: Root) -> Any:
@@ -110,6 +120,28 @@ ANSWER = Declaration(
             ),
             removal="when vLLM's /health asks EngineCore itself",
             source_patches=False,
+        ),
+    ),
+    counts=(Count("stuck_aborts", _stuck_aborts, STUCK_ABORTS),),
+    metrics=(
+        MetricSpec(
+            STUCK_ABORTS,
+            "counter",
+            ("process",),
+            "Requests EngineCore aborted because it made no net progress for the progress "
+            "timeout while they waited (MMCACHE_FIX_ABORT_STUCK=on; at most one per engine "
+            "per 5 minutes); their clients got finish_reason abort.",
+        ),
+    ),
+    settings=(
+        SettingSpec(
+            ENV_ABORT_STUCK,
+            DEFAULT_ABORT_STUCK.value,
+            "on | off",
+            "on: at a zero-token livelock (no net progress for MMCACHE_FIX_PROGRESS_TIMEOUT), "
+            "EngineCore aborts the oldest stuck request (its client gets finish_reason abort), "
+            "at most once per engine per 5 minutes",
+            choice_reader(read_abort_stuck),
         ),
     ),
     active=messages.ANSWER_ACTIVE,

@@ -24,6 +24,7 @@ from ..engine_liveness.owns import (
     DEPRECATED_ROUND_TRIPS_FAILED,
     ENGINE_LAST_ANSWER_AGE,
     ROUND_TRIP_SECONDS,
+    STUCK_ABORTS,
     STUCK_HEALTH_CHECKS,
 )
 from ..lru_eviction.owns import (
@@ -70,6 +71,7 @@ __all__ = [
     "ROLLBACKS",
     "ROUND_TRIP_SECONDS",
     "STALLS",
+    "STUCK_ABORTS",
     "STUCK_HEALTH_CHECKS",
     "MetricSpec",
     "all_counts",
