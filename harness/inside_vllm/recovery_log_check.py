@@ -30,7 +30,7 @@ from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from harness.inside_vllm.layout import drift_class
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import pending, processor
+from vllm_mmcache_fix.drift_guard import GUARD, processor
 
 AsyncLLM: Any = drift_class("generate")
 async_llm = sys.modules[AsyncLLM.__module__]
@@ -127,7 +127,7 @@ def prompt() -> dict[str, Any]:
     def replay() -> dict[str, Any]:
         return {**processed, "mm_kwargs": Kwargs(image=["data"])}
 
-    pending.register(processed["mm_kwargs"], None, replay)
+    GUARD.state.pending.register(processed["mm_kwargs"], None, replay)
     return processed
 
 

@@ -49,7 +49,7 @@ import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from drift_threads_mutants import unlocked_registration  # (this file's folder)
 
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import journal, pending, processor, sender, state
+from vllm_mmcache_fix.drift_guard import journal, processor, sender
 from vllm_mmcache_fix.drift_guard.state import STATE
 from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
 
@@ -182,7 +182,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
             counts["p1_misses"] += 1
             for h in getattr(exc, "mm_hashes", None) or ():
                 p0.invalidate(h)
-            for shadow in state.live_shadows():
+            for shadow in STATE.live_shadows():
                 shadow.invalidate(without_data)
             return
         for feature in request.mm_features:
@@ -232,7 +232,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
     elapsed = time.monotonic() - started
     sys.setswitchinterval(0.005)
     executor.shutdown(wait=True)
-    pending.drain_deferred()  # (what process_inputs does first) journals dropped since
+    STATE.pending.drain_deferred()  # (what process_inputs does first) journals dropped since
 
     st = drift.status()
     shadow = p0.__dict__.get(sender.SHADOW_ATTR)

@@ -24,7 +24,7 @@ from harness.layouts import run_snippet, write_layout
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR
-from vllm_mmcache_fix.drift_guard import attempts, journal, pending, recovery, state
+from vllm_mmcache_fix.drift_guard import attempts, journal, pending, recovery
 from vllm_mmcache_fix.drift_guard.state import ERRORS, STATE
 
 pytestmark = pytest.mark.realsrc
@@ -141,7 +141,7 @@ def test_a_failing_site_never_fails_a_request(modules, monkeypatch, caplog, site
     lines = [r.getMessage() for r in caplog.records if INTERNAL_ERROR in r.getMessage()]
     assert len(lines) == 1 and site in lines[0], lines
     # Switched off for good: nothing is tracked any more, vLLM's cache is left alone.
-    assert not list(state.shadows) and pending.pending() == 0
+    assert not list(STATE.shadows) and STATE.pending.pending() == 0
 
 
 def _raise_after(target: object, name: str):
@@ -162,9 +162,9 @@ INTERNALS = [
     (journal.Shadow, "rollback"),
     (journal.Shadow, "commit"),
     (journal.Shadow, "reset"),
-    (pending, "register"),
-    (pending, "records_of"),
-    (attempts, "note_attempt"),
+    (pending.PendingTable, "register"),
+    (pending.PendingTable, "records_of"),
+    (attempts.AttemptTable, "note_attempt"),
     (recovery, "is_error_without_tokens"),
 ]
 

@@ -14,9 +14,8 @@ from ..core.process import process_label
 from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
-from . import attempts, handoff, pending, processor, recovery, sender, state
+from . import handoff, processor, recovery, sender
 from .state import ERRORS, FIX_ID, STATE
-from .stats import STATS
 
 PATCH_PREFIX = "mm-drift"
 
@@ -49,6 +48,7 @@ class DriftGuard(Fix):
     def __init__(self) -> None:
         super().__init__()
         self.errors = ERRORS
+        self.state = STATE
         STATE.fix = self
         self._reset()
 
@@ -70,16 +70,7 @@ class DriftGuard(Fix):
     def _uninstall(self) -> None:
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
-        pending.clear()
-        attempts.clear()
-        state.clear_shadows()
-        STATE.mode = None
-        STATE.installed = False
-        STATE.tracking = False
-        STATE.switched_off = None
-        STATE.patched = {}
-        STATE.sender_types = ()
-        STATS.reset()
+        STATE.reset()
 
     def _reset(self) -> None:
         self.announced = False
@@ -92,9 +83,9 @@ class DriftGuard(Fix):
             "patched": dict(STATE.patched),
             "tracking": STATE.live,
             "switched_off": STATE.switched_off,
-            "pending": pending.pending(),
-            "recoverable": attempts.attempts(),
-            "counts": STATS.as_dict(),
+            "pending": STATE.pending.pending(),
+            "recoverable": STATE.attempts.attempts(),
+            "counts": STATE.stats.as_dict(),
         }
 
     def switch_off(self, where: str, exc: BaseException) -> None:
@@ -103,10 +94,10 @@ class DriftGuard(Fix):
         with STATE.lock:
             if STATE.switched_off is None:
                 STATE.switched_off = f"internal error at {where}: {exc!r}"
-            for shadow in state.live_shadows():
+            for shadow in STATE.live_shadows():
                 sender.detach(shadow)
-            pending.clear()
-        attempts.clear()
+            STATE.pending.clear()
+        STATE.attempts.clear()
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
 
     def note(self, problem: str) -> None:

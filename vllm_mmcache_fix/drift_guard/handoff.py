@@ -22,7 +22,6 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from . import pending
 from .journal import Journal
 from .state import ERRORS, STATE
 
@@ -62,9 +61,9 @@ def _resolve(handoff: Handoff, admitted: bool, why: str) -> None:
     journals, handoff.journals = handoff.journals, []
     for journal in journals:
         if admitted:
-            pending.commit(journal)
+            STATE.pending.commit(journal)
         else:
-            pending.rollback(journal, why)
+            STATE.pending.rollback(journal, why)
 
 
 def wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,13 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.signatures import reader
-from . import attempts, pending
+from . import pending
 from .context import scope
 from .handoff import staging
 from .journal import Journal
 from .sender import shadow_of
 from .state import ERRORS, STATE
-from .stats import STATS
 
 _S_APPLY = ERRORS.site("processor.apply")
 _S_MERGE_BEFORE = ERRORS.site("processor._merge_mm_kwargs:before")
@@ -77,11 +76,11 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
             if cache is not None and ctx.journal is None:
                 shadow = shadow_of(cache)
             if shadow is not None:
-                if pending.has_deferred():
-                    pending.drain_deferred()
+                if STATE.pending.has_deferred():
+                    STATE.pending.drain_deferred()
                 if STATE.prevent:
                     journal = Journal(shadow)
-                    STATS.bump("journals")
+                    STATE.stats.bump("journals")
         if shadow is None:
             return orig(self, *args, **kwargs)
         ctx.journal = journal
@@ -92,7 +91,7 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.bypassed.clear()
             if journal is not None:
                 with _S_MERGE_FAILED:
-                    pending.rollback(journal, "multimodal processing failed")
+                    STATE.pending.rollback(journal, "multimodal processing failed")
             raise
         ctx.journal = None
         ctx.bypassed.clear()
@@ -115,7 +114,7 @@ def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
         mm_kwargs = None
     if mm_kwargs is None:
         if journal is not None:
-            pending.commit(journal)
+            STATE.pending.commit(journal)
         return
     replay = None
     if STATE.recovery:
@@ -127,7 +126,7 @@ def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
         if missing:
             replay = ctx.replay
     if journal is not None or replay is not None:
-        pending.register(mm_kwargs, journal, replay)
+        STATE.pending.register(mm_kwargs, journal, replay)
     if ctx.collector is not None:
         ctx.collector.append(mm_kwargs)
 
@@ -142,8 +141,8 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         outer = ctx.collector
         collector: list[Any] | None = None
         with _S_INPUTS_BEFORE:
-            if pending.has_deferred():
-                pending.drain_deferred()
+            if STATE.pending.has_deferred():
+                STATE.pending.drain_deferred()
             collector = []
         if collector is None:
             return orig(self, *args, **kwargs)
@@ -154,25 +153,27 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.collector = outer
             with _S_INPUTS_FAILED:
                 if STATE.live:
-                    for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
+                    for record in STATE.pending.records_of(prompt_arg.get(args, kwargs), collector):
                         if record.journal is not None:
-                            pending.rollback(record.journal, "rejected after multimodal processing")
+                            STATE.pending.rollback(
+                                record.journal, "rejected after multimodal processing"
+                            )
             raise
         ctx.collector = outer
         with _S_INPUTS_AFTER:
             if STATE.live:
                 replay = None
                 handoff = staging()  # admission control may still refuse the request
-                for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
+                for record in STATE.pending.records_of(prompt_arg.get(args, kwargs), collector):
                     if record.journal is None:
                         pass
                     elif handoff is not None:
                         handoff.journals.append(record.journal)
                     else:
-                        pending.commit(record.journal)
+                        STATE.pending.commit(record.journal)
                     replay = replay or record.replay
                 if STATE.recovery:
-                    attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
+                    STATE.attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
         return request
 
     return process_inputs

@@ -22,18 +22,14 @@ from ..core import log
 from ..core.messages import DRIFT_EVENT
 from ..core.process import process_label
 from ..core.signatures import reader
-from . import attempts, pending, state
+from . import pending
 from .attempts import Attempt
 from .state import ERRORS, STATE
-from .stats import STATS
-
-LOG_INTERVAL_S = 60.0
 
 _S_START = ERRORS.site("generate:start")
 _S_FIRST = ERRORS.site("generate:first_output")
 _S_RETRY = ERRORS.site("generate:retry")
 _S_RESULT = ERRORS.site("generate:retry_output")
-_drift_limiter = log.RateLimiter(LOG_INTERVAL_S)
 
 
 def _may_need_recovery(prompt: Any) -> bool:
@@ -41,7 +37,7 @@ def _may_need_recovery(prompt: Any) -> bool:
         return False
     mm_kwargs = prompt.get("mm_kwargs")
     if mm_kwargs is not None:
-        record = pending.lookup(mm_kwargs)
+        record = STATE.pending.lookup(mm_kwargs)
         if record is not None:
             # Processed here: a replay was kept exactly when an item went without data.
             return record.replay is not None
@@ -77,7 +73,7 @@ def _executor_of(engine: Any) -> Any:
 
 async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
     """The prompt to submit again, with its multimodal data, or None when impossible."""
-    for shadow in state.live_shadows():
+    for shadow in STATE.live_shadows():
         shadow.invalidate(attempt.hashes)
     if not (isinstance(prompt, dict) and "mm_kwargs" in prompt):
         return prompt  # processed again inside add_request
@@ -141,7 +137,7 @@ async def _recovering(
     slot = None
     retry_wanted = False
     with _S_START:
-        slot = attempts.open_slot(prompt_arg.get(args, kwargs))
+        slot = STATE.attempts.open_slot(prompt_arg.get(args, kwargs))
     stream = orig(engine, *args, **kwargs)
     try:
         try:
@@ -151,7 +147,7 @@ async def _recovering(
         finally:
             with _S_FIRST:
                 if slot is not None:
-                    attempt = attempts.close_slot(slot)
+                    attempt = STATE.attempts.close_slot(slot)
         with _S_FIRST:
             retry_wanted = STATE.live and attempt is not None and is_error_without_tokens(first)
         if not retry_wanted:
@@ -173,10 +169,10 @@ async def _recovering(
     retry = None
     try:
         with _S_RETRY:
-            STATS.add("drift_events")
+            STATE.stats.add("drift_events")
             retry = await _prepare_retry(engine, prompt_arg.get(args, kwargs), attempt)
             if retry is None:
-                STATS.add("recovery_unavailable")
+                STATE.stats.add("recovery_unavailable")
                 _log_drift(request_id, attempt, "it could not be re-sent (inputs unavailable)")
     finally:
         attempt.release()
@@ -192,10 +188,10 @@ async def _recovering(
             return
         with _S_RESULT:
             if is_error_without_tokens(again):
-                STATS.add("recovery_failures")
+                STATE.stats.add("recovery_failures")
                 _log_drift(request_id, attempt, "it failed again after re-sending the data")
             else:
-                STATS.add("recoveries")
+                STATE.stats.add("recoveries")
                 _log_drift(request_id, attempt, "recovered by re-sending the data")
         yield again
         async for out in stream:
@@ -205,10 +201,10 @@ async def _recovering(
 
 
 def _log_drift(request_id: Any, attempt: Attempt, outcome: str) -> None:
-    may_log, held = _drift_limiter.ready()
+    may_log, held = STATE.drift_limiter.ready()
     if not may_log:
         return
-    totals = STATS.as_dict()
+    totals = STATE.stats.as_dict()
     log.warning(
         "%s in %s: EngineCore had no data for request %s (%d item(s) were sent as already "
         "cached); %s. Totals: drift_events=%d recoveries=%d recovery_failures=%d "

@@ -14,12 +14,10 @@ from typing import Any
 from ..core import registry
 from ..core.signatures import require_prefix
 from ..vllm_layout import SENDER_LRU_ATTR
-from . import state
 from .context import scope
 from .journal import Shadow
 from .owns import patch_id
 from .state import ERRORS, STATE
-from .stats import STATS
 
 PATCH_ID = patch_id("sender")
 SHADOW_ATTR = "_mmcache_fix_drift"
@@ -74,7 +72,7 @@ def _attach(sender: Any) -> Shadow | None:
 
     registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
     registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
-    state.add_shadow(shadow)
+    STATE.add_shadow(shadow)
     STATE.tracking = True
     return shadow
 
@@ -83,7 +81,7 @@ def detach(shadow: Shadow) -> None:
     """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
     shadow.alive = False
     registry.revert_instance_attr(shadow.lru, "popitem")
-    state.discard_shadow(shadow)
+    STATE.discard_shadow(shadow)
 
 
 def shadow_of(sender: Any) -> Shadow | None:
@@ -158,7 +156,7 @@ def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any]
                         if shadow.looks_uncached(mm_hash, ctx.journal):
                             # Inserted or moved by a request that has not reached
                             # EngineCore yet, or doubtful: have the caller send the data.
-                            STATS.add("tentative_bypasses")
+                            STATE.stats.add("tentative_bypasses")
                             ctx.bypassed.add(mm_hash)
                             return False
         return hit
@@ -266,7 +264,7 @@ def wrap_invalidate(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], No
             with _S_INVALIDATE:
                 if shadow.alive:
                     shadow.forget(mm_hash)
-                    STATS.add("engine_reported_misses")
+                    STATE.stats.add("engine_reported_misses")
         return None
 
     return invalidate
