@@ -111,7 +111,7 @@ def build_request(self: Any, request_id: str, prompt: Any, params: Any) -> Any:
 
 
 # The drift guard's wrapper, as it wraps vLLM's InputProcessor.process_inputs.
-process_inputs = processor.wrap_process_inputs(build_request)
+process_inputs = processor.wrap_process_inputs(GUARD, build_request)
 
 
 def prompt() -> dict[str, Any]:

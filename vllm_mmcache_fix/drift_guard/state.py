@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core import log
-from ..core.guard import InternalErrors
+from ..core.guard import InternalErrors, Site
 from ..core.settings import DriftMode
 from .attempts import AttemptTable
 from .journal import Shadow
@@ -18,6 +18,64 @@ from .stats import DriftStats
 
 FIX_ID = "mm-drift-guard"
 DRIFT_LOG_INTERVAL_S = 60.0
+
+
+SITE_NAMES = {
+    "sender_init": "sender.__init__",
+    "evict_before": "sender.evict:before",
+    "evict": "sender.evict",
+    "is_cached": "sender.is_cached_item",
+    "touch_before": "sender.touch_sender_cache_item:before",
+    "touch_after": "sender.touch_sender_cache_item:after",
+    "update_before": "sender.get_and_update_item:before",
+    "update_after": "sender.get_and_update_item:after",
+    "clear": "sender.clear_cache",
+    "invalidate": "sender.invalidate",
+    "apply": "processor.apply",
+    "merge_before": "processor._merge_mm_kwargs:before",
+    "merge_after": "processor._merge_mm_kwargs:after",
+    "merge_failed": "processor._merge_mm_kwargs:failed",
+    "inputs_before": "process_inputs:before",
+    "inputs_after": "process_inputs:after",
+    "inputs_failed": "process_inputs:failed",
+    "generate_start": "generate:start",
+    "generate_first": "generate:first_output",
+    "generate_retry": "generate:retry",
+    "generate_result": "generate:retry_output",
+}
+"""Each guarded place of the drift guard's wrappers -> its name in the error book (counts,
+``MMCACHE_FIX_FAIL_AT``). The hand-off around admission control shares the
+``process_inputs`` places: it is where that request's journals resolve."""
+
+
+class Sites(NamedTuple):
+    """The drift guard's guarded places, one :class:`~..core.guard.Site` each."""
+
+    sender_init: Site
+    evict_before: Site
+    evict: Site
+    is_cached: Site
+    touch_before: Site
+    touch_after: Site
+    update_before: Site
+    update_after: Site
+    clear: Site
+    invalidate: Site
+    apply: Site
+    merge_before: Site
+    merge_after: Site
+    merge_failed: Site
+    inputs_before: Site
+    inputs_after: Site
+    inputs_failed: Site
+    generate_start: Site
+    generate_first: Site
+    generate_retry: Site
+    generate_result: Site
+
+    @classmethod
+    def of(cls, errors: InternalErrors) -> Sites:
+        return cls(**{attr: errors.site(name) for attr, name in SITE_NAMES.items()})
 
 
 @dataclass
@@ -32,7 +90,10 @@ class GuardState:
     sender_types: tuple[type, ...] = ()
     lock: threading.RLock = field(default_factory=threading.RLock)
     fix: Any = None
-    """The :class:`~.fix.DriftGuard` that owns this state."""
+    """The :class:`~.fix.DriftGuard` that owns this state (``fix.note``, ``fix.announce``)."""
+    errors: InternalErrors | None = None
+    """The fix's error book; ``sites`` are its entries."""
+    sites: Sites = field(init=False)
     stats: DriftStats = field(default_factory=DriftStats)
     pending: PendingTable = field(init=False)
     attempts: AttemptTable = field(default_factory=AttemptTable)
@@ -47,6 +108,9 @@ class GuardState:
 
     def __post_init__(self) -> None:
         self.pending = PendingTable(self.stats)
+        if self.errors is None:
+            self.errors = InternalErrors(FIX_ID, lambda where, exc: None)
+        self.sites = Sites.of(self.errors)
 
     def reset(self) -> None:
         """As built (the lock, the tables and the counters stay the same objects)."""
@@ -91,15 +155,3 @@ class GuardState:
     @property
     def recovery(self) -> bool:
         return "generate" in self.patched
-
-
-STATE = GuardState()
-
-
-def _on_error(where: str, exc: BaseException) -> None:
-    fix = STATE.fix
-    if fix is not None:
-        fix.switch_off(where, exc)
-
-
-ERRORS = InternalErrors(FIX_ID, _on_error)

@@ -132,8 +132,8 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
         apply = _apply_body(v, sender)
         process_inputs: Any = _build
         if patched:
-            apply = processor.wrap_apply(apply)
-            process_inputs = processor.wrap_process_inputs(_build)
+            apply = processor.wrap_apply(drift.GUARD, apply)
+            process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
         # The image is cached (and has reached EngineCore) from now on.
         process_inputs(None, "warm-up", apply(None, request_inputs), None)
         t0 = time.perf_counter()
@@ -178,7 +178,7 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
         """``entries`` requests, each reaching EngineCore (committed)."""
         sender = v["make_sender"](entries)
         merge = v["merge"]()
-        process_inputs = processor.wrap_process_inputs(_build)
+        process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
         for i in range(entries):
             h = f"img{i}"
             mm_kwargs, _ = merge(
