@@ -20,7 +20,7 @@ import vllm  # noqa: F401
 from harness.inside_vllm.layout import drift_class
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import vllm_layout as lay
-from vllm_mmcache_fix.drift_guard import pending
+from vllm_mmcache_fix.drift_guard import GUARD
 
 # Every class the drift guard patches, imported before it installs (as a server has them).
 TARGETS: dict[str, Any] = {t.name: drift_class(t.name) for t in lay.DRIFT_TARGETS}
@@ -74,7 +74,7 @@ def deliver(hashes: list[str], mm_kwargs) -> str:
 
 def accept(hashes: list[str]) -> str:
     mm_kwargs = process(hashes)
-    for record in pending.records_of({"mm_kwargs": mm_kwargs}, []):
+    for record in GUARD.state.pending.records_of({"mm_kwargs": mm_kwargs}, []):
         assert record.journal is not None
         record.journal.shadow.commit(record.journal)
     return deliver(hashes, mm_kwargs)
@@ -82,9 +82,9 @@ def accept(hashes: list[str]) -> str:
 
 def reject(hashes: list[str]) -> None:
     mm_kwargs = process(hashes)
-    for record in pending.records_of({"mm_kwargs": mm_kwargs}, []):
+    for record in GUARD.state.pending.records_of({"mm_kwargs": mm_kwargs}, []):
         assert record.journal is not None
-        pending.rollback(record.journal, "test")
+        GUARD.state.pending.rollback(record.journal, "test")
 
 
 def orders() -> tuple[list[str], list[str]]:

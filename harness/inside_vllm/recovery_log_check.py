@@ -30,7 +30,7 @@ from vllm.v1.engine.output_processor import RequestOutputCollector
 
 from harness.inside_vllm.layout import drift_class
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import pending, processor
+from vllm_mmcache_fix.drift_guard import GUARD, processor
 
 AsyncLLM: Any = drift_class("generate")
 async_llm = sys.modules[AsyncLLM.__module__]
@@ -111,7 +111,7 @@ def build_request(self: Any, request_id: str, prompt: Any, params: Any) -> Any:
 
 
 # The drift guard's wrapper, as it wraps vLLM's InputProcessor.process_inputs.
-process_inputs = processor.wrap_process_inputs(build_request)
+process_inputs = processor.wrap_process_inputs(GUARD, build_request)
 
 
 def prompt() -> dict[str, Any]:
@@ -127,7 +127,7 @@ def prompt() -> dict[str, Any]:
     def replay() -> dict[str, Any]:
         return {**processed, "mm_kwargs": Kwargs(image=["data"])}
 
-    pending.register(processed["mm_kwargs"], None, replay)
+    GUARD.state.pending.register(processed["mm_kwargs"], None, replay)
     return processed
 
 

@@ -49,8 +49,7 @@ import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from drift_threads_mutants import unlocked_registration  # (this file's folder)
 
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import journal, pending, processor, sender, state
-from vllm_mmcache_fix.drift_guard.state import STATE
+from vllm_mmcache_fix.drift_guard import journal, processor, sender
 from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
 
 ITEM = 20_000  # bytes per item
@@ -135,7 +134,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
     repairs_before = fixed_cache.STATS.total()
     base = mm_processing.BaseMultiModalProcessor
     stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
-    process_inputs = processor.wrap_process_inputs(_process_inputs_body)
+    process_inputs = processor.wrap_process_inputs(drift.GUARD, _process_inputs_body)
     data = {f"img{i}": torch.full((ITEM,), i % 251, dtype=torch.uint8) for i in range(POOL)}
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mm")
     rng = random.Random(seed)
@@ -182,7 +181,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
             counts["p1_misses"] += 1
             for h in getattr(exc, "mm_hashes", None) or ():
                 p0.invalidate(h)
-            for shadow in state.live_shadows():
+            for shadow in drift.GUARD.state.live_shadows():
                 shadow.invalidate(without_data)
             return
         for feature in request.mm_features:
@@ -221,7 +220,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
         numbers = itertools.count()
 
         async def client() -> None:
-            while time.monotonic() < deadline and STATE.switched_off is None:
+            while time.monotonic() < deadline and drift.GUARD.state.switched_off is None:
                 await one(next(numbers))
 
         await asyncio.gather(*(client() for _ in range(in_flight)))
@@ -232,7 +231,8 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
     elapsed = time.monotonic() - started
     sys.setswitchinterval(0.005)
     executor.shutdown(wait=True)
-    pending.drain_deferred()  # (what process_inputs does first) journals dropped since
+    # (what process_inputs does first) journals dropped since
+    drift.GUARD.state.pending.drain_deferred()
 
     st = drift.status()
     shadow = p0.__dict__.get(sender.SHADOW_ATTR)

@@ -75,7 +75,7 @@ def _build(self: Any, request_id: str, prompt: dict, params: Any, **kwargs: Any)
 
 
 class InputProcessor:
-    process_inputs = processor.wrap_process_inputs(_build)
+    process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
 
     def assign_request_id(self, request: Any) -> None:
         pass

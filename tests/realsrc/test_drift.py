@@ -18,7 +18,7 @@ from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
 from vllm_mmcache_fix.core import imports, log
-from vllm_mmcache_fix.drift_guard import recovery, sender
+from vllm_mmcache_fix.drift_guard import sender
 
 LRU_VERSION = "0.24.0"  # touch() of a missing key adds nothing from here on
 
@@ -277,7 +277,7 @@ def test_uninstall_restores_vllm(modules) -> None:
 
 def test_drift_is_logged_rate_limited(modules, monkeypatch, caplog) -> None:
     monkeypatch.setenv(drift.ENV_DRIFT, "recover")
-    monkeypatch.setattr(recovery, "_drift_limiter", log.RateLimiter(3600))
+    monkeypatch.setattr(drift.GUARD.state, "drift_limiter", log.RateLimiter(3600))
     drift.install()
     world = drift_sim.World(modules)
     with caplog.at_level("INFO", logger="vllm.mmcache_fix"):

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 
 from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import pending, state
+from vllm_mmcache_fix.drift_guard import GUARD
 
 # 0.23.0's touch adds missing keys to the order; 0.24.0's and later (0.34.0) do not.
 LRU_VERSIONS = ("0.23.0", "0.34.0")
@@ -110,7 +110,7 @@ def check(world: drift_sim.World, pending: list[Pending]) -> None:
     """P0 against P1 (see the module docstring). Doubtful keys are those the guard knows
     it cannot place (a rollback after later evictions): they go with their data."""
     busy = {k for request in pending for k in request.images}
-    doubtful = set().union(*(s.doubtful for s in state.shadows))
+    doubtful = set().union(*(s.doubtful for s in GUARD.state.shadows))
     p0, p1 = p0_view(world), p1_view(world)
     missing = set(p0) - set(p1) - busy - doubtful
     assert not missing, (p0, p1, missing)
@@ -232,8 +232,8 @@ class GuardMachine(RuleBasedStateMachine):
         """The server gives up on a processed request before it reaches the engine."""
         request = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
         request.prompt = None  # freed now (no cycles): its weak reference queues the rollback
-        assert pending.has_deferred()
-        pending.drain_deferred()
+        assert GUARD.state.pending.has_deferred()
+        GUARD.state.pending.drain_deferred()
 
     @rule(images=images, long=st.booleans())
     def request(self, images: list[str], long: bool) -> None:
@@ -247,7 +247,7 @@ class GuardMachine(RuleBasedStateMachine):
         assert drift.status()["switched_off"] is None
         if not self.EVICTIONS:
             check(self.world, self.pending)
-            assert not set().union(*(s.doubtful for s in state.shadows))
+            assert not set().union(*(s.doubtful for s in GUARD.state.shadows))
 
 
 def _machine_settings(examples: int) -> settings:

@@ -20,7 +20,7 @@ import pytest
 
 from harness import drift_sim
 from vllm_mmcache_fix import drift_guard as drift
-from vllm_mmcache_fix.drift_guard import attempts
+from vllm_mmcache_fix.drift_guard import GUARD, attempts
 
 LRU_VERSION = "0.24.0"
 
@@ -83,7 +83,7 @@ def test_requests_keep_nothing_however_they_end(modules) -> None:
         world.engine.gate = asyncio.Event()
         task = asyncio.ensure_future(consume(world.engine.generate(world.render(["b"]), None, "q")))
         await asyncio.sleep(0.01)
-        assert attempts.attempts()["open"] == 1
+        assert GUARD.state.attempts.attempts()["open"] == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -104,7 +104,7 @@ def test_requests_keep_nothing_however_they_end(modules) -> None:
     assert run(go()) == [200, 400, 200]
     assert drift.status()["counts"]["recoveries"] == 1
     assert world.inputs_alive() == 0
-    assert attempts.attempts() == {
+    assert GUARD.state.attempts.attempts() == {
         "open": 0,
         "holding_inputs": 0,
         "input_bytes": 0,
@@ -115,7 +115,7 @@ def test_requests_keep_nothing_however_they_end(modules) -> None:
 def test_inputs_kept_for_requests_in_flight_are_bounded_in_bytes(modules, monkeypatch) -> None:
     world = warm_world(modules)
     image = drift_sim.DECODED_BYTES  # one image of size 1
-    monkeypatch.setattr(attempts, "_replays", attempts.ReplayBudget(int(2.5 * image)))
+    monkeypatch.setattr(GUARD.state.attempts, "replays", attempts.ReplayBudget(int(2.5 * image)))
 
     async def go() -> list[list]:
         world.engine.gate = asyncio.Event()
@@ -124,7 +124,7 @@ def test_inputs_kept_for_requests_in_flight_are_bounded_in_bytes(modules, monkey
             stream = world.engine.generate(world.render(["a"]), None, f"r{i}")
             tasks.append(asyncio.ensure_future(consume(stream)))
             await asyncio.sleep(0.001)  # reaches EngineCore's queue before the next one
-        held = attempts.attempts()
+        held = GUARD.state.attempts.attempts()
         assert held["open"] == 6
         assert held["holding_inputs"] == 2
         assert image * 2 <= held["input_bytes"] <= 2.5 * image
@@ -136,7 +136,7 @@ def test_inputs_kept_for_requests_in_flight_are_bounded_in_bytes(modules, monkey
     outs = run(go())
     assert [o[-1].outputs[0].finish_reason for o in outs] == ["length"] * 6
     assert world.inputs_alive() == 0
-    assert attempts.attempts()["input_bytes"] == 0
+    assert GUARD.state.attempts.attempts()["input_bytes"] == 0
 
 
 def test_duplicate_client_request_ids_do_not_cross(modules) -> None:

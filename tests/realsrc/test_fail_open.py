@@ -24,8 +24,7 @@ from harness.layouts import run_snippet, write_layout
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import plugin
 from vllm_mmcache_fix.core.messages import INTERNAL_ERROR
-from vllm_mmcache_fix.drift_guard import attempts, journal, pending, recovery, state
-from vllm_mmcache_fix.drift_guard.state import ERRORS, STATE
+from vllm_mmcache_fix.drift_guard import attempts, journal, pending, recovery
 
 pytestmark = pytest.mark.realsrc
 
@@ -43,7 +42,7 @@ def modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
         yield mods
     finally:
         drift.uninstall()
-        ERRORS.reload_faults(frozenset())
+        drift.GUARD.errors.reload_faults(frozenset())
         drift_sim.remove_modules()
 
 
@@ -92,8 +91,8 @@ def _no_worse(baseline: list[int], got: list[int]) -> None:
 
 def _all_sites() -> list[str]:
     # Importing the plugin defines every site; list them from the error book itself.
-    assert plugin.DRIFT_GUARD.errors is ERRORS
-    return sorted(ERRORS.sites)
+    assert plugin.DRIFT_GUARD.errors is drift.GUARD.state.errors
+    return sorted(drift.GUARD.errors.sites)
 
 
 def test_every_wrapper_has_guarded_sites() -> None:
@@ -130,7 +129,7 @@ def test_a_failing_site_never_fails_a_request(modules, monkeypatch, caplog, site
         monkeypatch.setenv(drift.ENV_DRIFT, "recover")
     baseline = _run(modules, new_style)
     drift.install()
-    ERRORS.reload_faults(frozenset({site}))
+    drift.GUARD.errors.reload_faults(frozenset({site}))
     with caplog.at_level("WARNING", logger="vllm.mmcache_fix"):
         got = _run(modules, new_style)
     _no_worse(baseline, got)
@@ -141,7 +140,7 @@ def test_a_failing_site_never_fails_a_request(modules, monkeypatch, caplog, site
     lines = [r.getMessage() for r in caplog.records if INTERNAL_ERROR in r.getMessage()]
     assert len(lines) == 1 and site in lines[0], lines
     # Switched off for good: nothing is tracked any more, vLLM's cache is left alone.
-    assert not list(state.shadows) and pending.pending() == 0
+    assert not list(drift.GUARD.state.shadows) and drift.GUARD.state.pending.pending() == 0
 
 
 def _raise_after(target: object, name: str):
@@ -162,9 +161,9 @@ INTERNALS = [
     (journal.Shadow, "rollback"),
     (journal.Shadow, "commit"),
     (journal.Shadow, "reset"),
-    (pending, "register"),
-    (pending, "records_of"),
-    (attempts, "note_attempt"),
+    (pending.PendingTable, "register"),
+    (pending.PendingTable, "records_of"),
+    (attempts.AttemptTable, "note_attempt"),
     (recovery, "is_error_without_tokens"),
 ]
 
@@ -186,7 +185,7 @@ def test_a_bug_half_way_through_the_bookkeeping(
     st = drift.status()
     assert sum(st["internal_errors"].values()) >= 1
     assert st["switched_off"] is not None
-    assert STATE.live is False
+    assert drift.GUARD.state.live is False
 
 
 def test_without_a_fault_the_guard_is_better_than_vllm(modules) -> None:

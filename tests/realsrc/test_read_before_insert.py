@@ -19,7 +19,7 @@ import pytest
 from harness import realsrc, release_code
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import vllm_layout
-from vllm_mmcache_fix.drift_guard import pending
+from vllm_mmcache_fix.drift_guard import GUARD
 from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
 from vllm_mmcache_fix.lru_eviction.fix import LruEvictionFix
 
@@ -234,7 +234,7 @@ def test_sender_hit_evicted_by_its_own_misses(plugin: Any, version: str) -> None
         if with_plugin:
             assert drift.status()["switched_off"] is None
             assert drift.status()["counts"]["rollbacks"] >= 1, drift.status()["counts"]
-            assert pending.pending() == 0
+            assert GUARD.state.pending.pending() == 0
         drift.uninstall()
         release_code.remove()
     error = "AssertionError: Expected a cached item for mm_hash='a'"

@@ -20,7 +20,7 @@ PROGRAM = textwrap.dedent(
     from vllm_mmcache_fix import plugin
     from vllm_mmcache_fix.core import counters, registry, signals
     from vllm_mmcache_fix.engine_liveness import fork
-    from vllm_mmcache_fix.drift_guard.stats import STATS as DRIFT_STATS
+    from vllm_mmcache_fix.drift_guard import GUARD
 
     fix = plugin.ENGINE_ANSWER
     if sys.argv[1] == "renew":
@@ -37,7 +37,7 @@ PROGRAM = textwrap.dedent(
         # What the parent's threads may be doing at the fork: counting a stall, sending a
         # signal, patching, bumping a drift counter, logging an internal error.
         with counters._lock, registry._lock, signals.ENGINE_CORE_RUNNING._lock, \\
-                DRIFT_STATS._lock, fix.errors._lock:
+                GUARD.state.stats._lock, fix.errors._lock:
             held.set()
             done.wait(60)
 

@@ -35,10 +35,16 @@ class Attempt:
 
     __slots__ = ("hashes", "replay", "_refund", "__weakref__")
 
-    def __init__(self, hashes: list[Key], replay: Callable[[], Any] | None, size: int) -> None:
+    def __init__(
+        self,
+        hashes: list[Key],
+        replay: Callable[[], Any] | None,
+        size: int,
+        budget: ReplayBudget,
+    ) -> None:
         self.hashes = hashes
         self.replay = replay
-        self._refund = weakref.finalize(self, _replays.refund, size) if replay is not None else None
+        self._refund = weakref.finalize(self, budget.refund, size) if replay is not None else None
 
     def release(self) -> None:
         """Drop the inputs kept for re-sending (the hashes stay)."""
@@ -82,88 +88,88 @@ class ReplayBudget:
             self.count -= 1
 
 
-# id(prompt) -> slots of the generate calls adding that prompt object now
-_slots: dict[int, list[Slot]] = {}
-_slots_lock = threading.Lock()
-_replays = ReplayBudget(MAX_REPLAY_BYTES)
+class AttemptTable:
+    """The open slots of recoverable ``generate`` calls, by ``id(prompt)``, and the byte
+    budget of the decoded inputs their attempts keep."""
 
+    def __init__(self, limit: int = MAX_REPLAY_BYTES) -> None:
+        # id(prompt) -> slots of the generate calls adding that prompt object now
+        self._slots: dict[int, list[Slot]] = {}
+        self._lock = threading.Lock()
+        self.replays = ReplayBudget(limit)
 
-def clear() -> None:
-    with _slots_lock:
-        slots = [slot for group in _slots.values() for slot in group]
-        _slots.clear()
-    for slot in slots:
-        if slot.attempt is not None:
-            slot.attempt.release()
-            slot.attempt = None
+    def clear(self) -> None:
+        with self._lock:
+            slots = [slot for group in self._slots.values() for slot in group]
+            self._slots.clear()
+        for slot in slots:
+            if slot.attempt is not None:
+                slot.attempt.release()
+                slot.attempt = None
 
+    def attempts(self) -> dict[str, int]:
+        """Open slots, and the attempts holding decoded inputs with their bytes."""
+        with self._lock:
+            open_slots = sum(len(group) for group in self._slots.values())
+        replays = self.replays
+        return {
+            "open": open_slots,
+            "holding_inputs": replays.count,
+            "input_bytes": replays.held,
+            "refused_for_size": replays.refused,
+        }
 
-def attempts() -> dict[str, int]:
-    """Open slots, and the attempts holding decoded inputs with their bytes."""
-    with _slots_lock:
-        open_slots = sum(len(group) for group in _slots.values())
-    return {
-        "open": open_slots,
-        "holding_inputs": _replays.count,
-        "input_bytes": _replays.held,
-        "refused_for_size": _replays.refused,
-    }
+    def open_slot(self, prompt: Any) -> Slot:
+        """A recoverable ``generate`` call is about to have ``prompt`` added."""
+        slot = Slot(prompt)
+        with self._lock:
+            self._slots.setdefault(id(prompt), []).append(slot)
+        return slot
+
+    def close_slot(self, slot: Slot) -> Attempt | None:
+        """The call has its first output (or ended): its attempt, which nothing else holds now."""
+        with self._lock:
+            group = self._slots.get(id(slot.prompt))
+            if group is not None:
+                try:
+                    group.remove(slot)
+                except ValueError:
+                    pass
+                if not group:
+                    del self._slots[id(slot.prompt)]
+        attempt, slot.attempt = slot.attempt, None
+        return attempt
+
+    def _slot_for(self, prompt: Any) -> Slot | None:
+        with self._lock:
+            for slot in self._slots.get(id(prompt), ()):
+                if slot.prompt is prompt and slot.attempt is None:
+                    return slot
+        return None
+
+    def note_attempt(self, prompt: Any, request: Any, replay: Callable[[], Any] | None) -> None:
+        """``process_inputs`` built ``request`` from ``prompt``: fill its slot, if it has one."""
+        if not self._slots:
+            return
+        features = getattr(request, "mm_features", None)
+        if not features:
+            return
+        if all(getattr(f, "data", None) is not None for f in features):
+            return
+        slot = self._slot_for(prompt)
+        if slot is None:
+            return  # not a request recovery can re-send
+        hashes = [k for k in (feature_key(f) for f in features) if k is not None]
+        size = 0
+        if replay is not None:
+            size = replay_size(replay)
+            if not self.replays.admit(size):
+                replay = None
+        slot.attempt = Attempt(hashes, replay, size, self.replays)
 
 
 def feature_key(feature: Any) -> Any:
     return getattr(feature, "mm_hash", None) or getattr(feature, "identifier", None)
-
-
-def open_slot(prompt: Any) -> Slot:
-    """A recoverable ``generate`` call is about to have ``prompt`` added."""
-    slot = Slot(prompt)
-    with _slots_lock:
-        _slots.setdefault(id(prompt), []).append(slot)
-    return slot
-
-
-def close_slot(slot: Slot) -> Attempt | None:
-    """The call has its first output (or ended): its attempt, which nothing else holds now."""
-    with _slots_lock:
-        group = _slots.get(id(slot.prompt))
-        if group is not None:
-            try:
-                group.remove(slot)
-            except ValueError:
-                pass
-            if not group:
-                del _slots[id(slot.prompt)]
-    attempt, slot.attempt = slot.attempt, None
-    return attempt
-
-
-def _slot_for(prompt: Any) -> Slot | None:
-    with _slots_lock:
-        for slot in _slots.get(id(prompt), ()):
-            if slot.prompt is prompt and slot.attempt is None:
-                return slot
-    return None
-
-
-def note_attempt(prompt: Any, request: Any, replay: Callable[[], Any] | None) -> None:
-    """``process_inputs`` built ``request`` from ``prompt``: fill its slot, if it has one."""
-    if not _slots:
-        return
-    features = getattr(request, "mm_features", None)
-    if not features:
-        return
-    if all(getattr(f, "data", None) is not None for f in features):
-        return
-    slot = _slot_for(prompt)
-    if slot is None:
-        return  # not a request recovery can re-send
-    hashes = [k for k in (feature_key(f) for f in features) if k is not None]
-    size = 0
-    if replay is not None:
-        size = replay_size(replay)
-        if not _replays.admit(size):
-            replay = None
-    slot.attempt = Attempt(hashes, replay, size)
 
 
 def replay_size(replay: Any) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -14,13 +15,12 @@ from ..core.process import process_label
 from ..core.settings import DriftMode, Mode, read_drift_mode, read_mode
 from ..core.signatures import SignatureMismatch
 from ..vllm_layout import DRIFT_TARGETS, DRIFT_WATCHED_MODULES, DriftTarget
-from . import attempts, handoff, pending, processor, recovery, sender, state
-from .state import ERRORS, FIX_ID, STATE
-from .stats import STATS
+from . import handoff, processor, recovery, sender
+from .state import FIX_ID, GuardState
 
 PATCH_PREFIX = "mm-drift"
 
-Wrapper = Callable[[Any], Any]
+Wrapper = Callable[[Any, Any], Any]
 
 WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
     "sender": sender.WRAPPERS,
@@ -32,7 +32,8 @@ WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
         ("check_admission", handoff.wrap_check_admission),
     ),
 }
-"""Target name (``vllm_layout.DRIFT_TARGETS``) -> (method, wrapper factory)."""
+"""Target name (``vllm_layout.DRIFT_TARGETS``) -> (method, wrapper factory); a factory
+takes the :class:`DriftGuard` and vLLM's function."""
 
 NEEDED = frozenset({"sender", "processor", "process_inputs"})
 
@@ -48,8 +49,8 @@ class DriftGuard(Fix):
 
     def __init__(self) -> None:
         super().__init__()
-        self.errors = ERRORS
-        STATE.fix = self
+        self.state = GuardState(fix=self, errors=self.errors)
+        """Everything the wrappers read and change; they reach it through this fix."""
         self._reset()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -59,54 +60,49 @@ class DriftGuard(Fix):
         if mode is not Mode.ON:
             raise DidNotEnable(f"MMCACHE_FIX_MODE={mode.value}: only 'on' guards the sender cache")
         setting = read_drift_mode()
-        STATE.mode = setting.value
+        self.state.mode = setting.value
         if setting.problem:
             self.note(setting.problem)
         if setting.value is DriftMode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_DRIFT=off")
-        ERRORS.reload_faults()
-        STATE.installed = True
+        self.errors.reload_faults()
+        self.state.installed = True
 
     def _uninstall(self) -> None:
         for target in DRIFT_TARGETS:
             registry.revert_patch(patch_id(target.name))
-        pending.clear()
-        attempts.clear()
-        state.clear_shadows()
-        STATE.mode = None
-        STATE.installed = False
-        STATE.tracking = False
-        STATE.switched_off = None
-        STATE.patched = {}
-        STATE.sender_types = ()
-        STATS.reset()
+        self.state.reset()  # also where a failed install undoes itself (no _reset there)
 
     def _reset(self) -> None:
+        self.state.reset()
         self.announced = False
         self.recovery_announced = False
 
     def _status(self) -> dict[str, Any]:
         return {
-            "mode": STATE.mode.value if STATE.mode else None,
-            "installed": STATE.installed,
-            "patched": dict(STATE.patched),
-            "tracking": STATE.live,
-            "switched_off": STATE.switched_off,
-            "pending": pending.pending(),
-            "recoverable": attempts.attempts(),
-            "counts": STATS.as_dict(),
+            "mode": self.state.mode.value if self.state.mode else None,
+            "installed": self.state.installed,
+            "patched": dict(self.state.patched),
+            "tracking": self.state.live,
+            "switched_off": self.state.switched_off,
+            "pending": self.state.pending.pending(),
+            "recoverable": self.state.attempts.attempts(),
+            "counts": self.state.stats.as_dict(),
         }
+
+    def _on_internal_error(self, where: str, exc: BaseException) -> None:
+        self.switch_off(where, exc)
 
     def switch_off(self, where: str, exc: BaseException) -> None:
         """An internal error at ``where``: stop all tracking for good, vLLM's behaviour from
         now on (with the eviction fix still in place)."""
-        with STATE.lock:
-            if STATE.switched_off is None:
-                STATE.switched_off = f"internal error at {where}: {exc!r}"
-            for shadow in state.live_shadows():
-                sender.detach(shadow)
-            pending.clear()
-        attempts.clear()
+        with self.state.lock:
+            if self.state.switched_off is None:
+                self.state.switched_off = f"internal error at {where}: {exc!r}"
+            for shadow in self.state.live_shadows():
+                sender.detach(self.state, shadow)
+            self.state.pending.clear()
+        self.state.attempts.clear()
         self.note_problem(f"switched off after an internal error at {where}: {exc!r}")
 
     def note(self, problem: str) -> None:
@@ -117,12 +113,12 @@ class DriftGuard(Fix):
 
     def _on_import(self, name: str) -> bool:
         self._patch_available()
-        return len(STATE.patched) == len(DRIFT_TARGETS)
+        return len(self.state.patched) == len(DRIFT_TARGETS)
 
     def _patch_available(self) -> None:
-        with STATE.lock:
+        with self.state.lock:
             for target in DRIFT_TARGETS:
-                if target.name in STATE.patched:
+                if target.name in self.state.patched:
                     continue
                 cls, reason = find(target)
                 if cls is None:
@@ -133,9 +129,9 @@ class DriftGuard(Fix):
                 if problem is not None:
                     self.note(f"{target.name}: not patched, {problem}")
                     continue
-                STATE.patched[target.name] = f"{cls.__module__}.{cls.__qualname__}"
+                self.state.patched[target.name] = f"{cls.__module__}.{cls.__qualname__}"
                 if target.name == "sender":
-                    STATE.sender_types = (cls,)
+                    self.state.sender_types = (cls,)
             self.announce()
 
     def _patch(self, target: DriftTarget, cls: type) -> str | None:
@@ -144,32 +140,34 @@ class DriftGuard(Fix):
             if not callable(cls.__dict__.get(attr)):
                 continue  # optional method absent in this release
             try:
-                registry.wrap(patch_id(target.name), cls, attr, make)
+                registry.wrap(patch_id(target.name), cls, attr, functools.partial(make, self))
             except SignatureMismatch as exc:
                 registry.revert_patch(patch_id(target.name))
                 return str(exc)
         return None
 
     def announce(self) -> None:
-        if not NEEDED <= set(STATE.patched):
+        if not NEEDED <= set(self.state.patched):
             return
         if not log.has_destination():
             return  # vLLM's logging is not set up yet; the sender cache retries
-        recovery_on = STATE.recovery
+        recovery_on = self.state.recovery
         if not self.announced:
             self.announced = True
             log.info(
                 "%s %s (mode=%s): %s; recovery from EngineCore misses %s",
                 DRIFT_GUARD_ACTIVE,
                 process_label(),
-                STATE.mode.value if STATE.mode else "?",
-                ", ".join(f"{k}={v}" for k, v in sorted(STATE.patched.items())),
+                self.state.mode.value if self.state.mode else "?",
+                ", ".join(f"{k}={v}" for k, v in sorted(self.state.patched.items())),
                 "on" if recovery_on else "waits for vllm.v1.engine.async_llm",
             )
             self.recovery_announced = recovery_on
         elif recovery_on and not self.recovery_announced:
             self.recovery_announced = True
-            log.info("%s %s: %s", DRIFT_RECOVERY_ACTIVE, process_label(), STATE.patched["generate"])
+            log.info(
+                "%s %s: %s", DRIFT_RECOVERY_ACTIVE, process_label(), self.state.patched["generate"]
+            )
 
 
 def find(target: DriftTarget) -> tuple[type | None, str | None]:

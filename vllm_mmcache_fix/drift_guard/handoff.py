@@ -22,13 +22,8 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from . import pending
 from .journal import Journal
-from .state import ERRORS, STATE
-
-_S_OPEN = ERRORS.site("process_inputs:before")
-_S_COMMIT = ERRORS.site("process_inputs:after")
-_S_ROLLBACK = ERRORS.site("process_inputs:failed")
+from .state import GuardState
 
 ADMISSION_CHECK = "check_admission"
 
@@ -58,20 +53,25 @@ def staging() -> Handoff | None:
     return handoff if handoff is not None and handoff.open else None
 
 
-def _resolve(handoff: Handoff, admitted: bool, why: str) -> None:
+def _resolve(st: GuardState, handoff: Handoff, admitted: bool, why: str) -> None:
     journals, handoff.journals = handoff.journals, []
     for journal in journals:
         if admitted:
-            pending.commit(journal)
+            st.pending.commit(journal)
         else:
-            pending.rollback(journal, why)
+            st.pending.rollback(journal, why)
 
 
-def wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_commit = st.sites.inputs_after
+    s_open = st.sites.inputs_before
+    s_rollback = st.sites.inputs_failed
+
     async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         handoff = None
-        with _S_OPEN:
-            if STATE.live and callable(getattr(type(self), ADMISSION_CHECK, None)):
+        with s_open:
+            if st.live and callable(getattr(type(self), ADMISSION_CHECK, None)):
                 handoff = Handoff()
         if handoff is None:
             return await orig(self, *args, **kwargs)
@@ -81,33 +81,38 @@ def wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         except BaseException:
             handoff.open = False
             _current.reset(token)
-            with _S_ROLLBACK:
-                _resolve(handoff, False, "rejected before reaching EngineCore")
+            with s_rollback:
+                _resolve(st, handoff, False, "rejected before reaching EngineCore")
             raise
         handoff.open = False
         _current.reset(token)
-        with _S_COMMIT:
-            _resolve(handoff, True, "")
+        with s_commit:
+            _resolve(st, handoff, True, "")
         return result
 
     return add_request
 
 
-def wrap_check_admission(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_check_admission(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_commit = st.sites.inputs_after
+    s_open = st.sites.inputs_before
+    s_rollback = st.sites.inputs_failed
+
     def check_admission(self: Any, *args: Any, **kwargs: Any) -> Any:
         handoff = None
-        with _S_OPEN:
+        with s_open:
             handoff = staging()
         if handoff is None or not handoff.journals:
             return orig(self, *args, **kwargs)
         try:
             result = orig(self, *args, **kwargs)
         except BaseException:
-            with _S_ROLLBACK:
-                _resolve(handoff, False, "rejected by admission control")
+            with s_rollback:
+                _resolve(st, handoff, False, "rejected by admission control")
             raise
-        with _S_COMMIT:
-            _resolve(handoff, True, "")
+        with s_commit:
+            _resolve(st, handoff, True, "")
         return result
 
     return check_admission

@@ -44,7 +44,8 @@ def _build(root: Root) -> Fix:
 
 def _count(key: str, metric: str) -> Count:
     def read(root: Root) -> int:
-        stats = getattr(sys.modules.get(f"{_PACKAGE}.stats"), "STATS", None)
+        guard = getattr(sys.modules.get(_PACKAGE), "GUARD", None)
+        stats = getattr(getattr(guard, "state", None), "stats", None)
         return 0 if stats is None else int(stats.as_dict()[key])
 
     return Count(key, read, metric, process_label="")

@@ -16,21 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.signatures import reader
-from . import attempts, pending
+from . import pending
 from .context import scope
 from .handoff import staging
 from .journal import Journal
 from .sender import shadow_of
-from .state import ERRORS, STATE
-from .stats import STATS
-
-_S_APPLY = ERRORS.site("processor.apply")
-_S_MERGE_BEFORE = ERRORS.site("processor._merge_mm_kwargs:before")
-_S_MERGE_AFTER = ERRORS.site("processor._merge_mm_kwargs:after")
-_S_MERGE_FAILED = ERRORS.site("processor._merge_mm_kwargs:failed")
-_S_INPUTS_BEFORE = ERRORS.site("process_inputs:before")
-_S_INPUTS_AFTER = ERRORS.site("process_inputs:after")
-_S_INPUTS_FAILED = ERRORS.site("process_inputs:failed")
+from .state import GuardState
 
 
 class Replay:
@@ -48,13 +39,16 @@ class Replay:
         return self.func(self.processor, *self.args, **self.kwargs)
 
 
-def wrap_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_apply(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_apply = st.sites.apply
+
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not STATE.live:
+        if not st.live:
             return orig(self, *args, **kwargs)
         ctx = scope()
         previous = ctx.replay
-        with _S_APPLY:
+        with s_apply:
             ctx.replay = Replay(apply, self, args, kwargs)
         try:
             return orig(self, *args, **kwargs)
@@ -64,24 +58,28 @@ def wrap_apply(orig: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
-def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_merge(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_merge_after = st.sites.merge_after
+    s_merge_before = st.sites.merge_before
+    s_merge_failed = st.sites.merge_failed
     cache_arg = reader(orig, "cache", what="_merge_mm_kwargs")
 
     def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not STATE.installed or STATE.switched_off is not None:
+        if not st.installed or st.switched_off is not None:
             return orig(self, *args, **kwargs)
         ctx = scope()
         shadow = journal = None
-        with _S_MERGE_BEFORE:
+        with s_merge_before:
             cache = cache_arg.get(args, kwargs)
             if cache is not None and ctx.journal is None:
-                shadow = shadow_of(cache)
+                shadow = shadow_of(st, cache)
             if shadow is not None:
-                if pending.has_deferred():
-                    pending.drain_deferred()
-                if STATE.prevent:
+                if st.pending.has_deferred():
+                    st.pending.drain_deferred()
+                if st.prevent:
                     journal = Journal(shadow)
-                    STATS.bump("journals")
+                    st.stats.bump("journals")
         if shadow is None:
             return orig(self, *args, **kwargs)
         ctx.journal = journal
@@ -91,34 +89,34 @@ def wrap_merge(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.journal = None
             ctx.bypassed.clear()
             if journal is not None:
-                with _S_MERGE_FAILED:
-                    pending.rollback(journal, "multimodal processing failed")
+                with s_merge_failed:
+                    st.pending.rollback(journal, "multimodal processing failed")
             raise
         ctx.journal = None
         ctx.bypassed.clear()
-        with _S_MERGE_AFTER:
+        with s_merge_after:
             if shadow.alive:
                 with shadow.lock:
                     evictions = shadow.evictions
                     if journal is not None:
                         journal.evictions_mark = evictions
-                _after_merge(out, journal, ctx)
+                _after_merge(st, out, journal, ctx)
         return out
 
     return _merge_mm_kwargs
 
 
-def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
+def _after_merge(st: GuardState, out: Any, journal: Journal | None, ctx: Any) -> None:
     try:
         mm_kwargs = out[0]
     except Exception:
         mm_kwargs = None
     if mm_kwargs is None:
         if journal is not None:
-            pending.commit(journal)
+            st.pending.commit(journal)
         return
     replay = None
-    if STATE.recovery:
+    if st.recovery:
         missing = (
             journal.sent_without_data
             if journal is not None
@@ -127,23 +125,27 @@ def _after_merge(out: Any, journal: Journal | None, ctx: Any) -> None:
         if missing:
             replay = ctx.replay
     if journal is not None or replay is not None:
-        pending.register(mm_kwargs, journal, replay)
+        st.pending.register(mm_kwargs, journal, replay)
     if ctx.collector is not None:
         ctx.collector.append(mm_kwargs)
 
 
-def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_inputs_after = st.sites.inputs_after
+    s_inputs_before = st.sites.inputs_before
+    s_inputs_failed = st.sites.inputs_failed
     prompt_arg = reader(orig, "prompt", what="process_inputs")
 
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not STATE.live:
+        if not st.live:
             return orig(self, *args, **kwargs)
         ctx = scope()
         outer = ctx.collector
         collector: list[Any] | None = None
-        with _S_INPUTS_BEFORE:
-            if pending.has_deferred():
-                pending.drain_deferred()
+        with s_inputs_before:
+            if st.pending.has_deferred():
+                st.pending.drain_deferred()
             collector = []
         if collector is None:
             return orig(self, *args, **kwargs)
@@ -152,27 +154,29 @@ def wrap_process_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
             request = orig(self, *args, **kwargs)
         except BaseException:
             ctx.collector = outer
-            with _S_INPUTS_FAILED:
-                if STATE.live:
-                    for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
+            with s_inputs_failed:
+                if st.live:
+                    for record in st.pending.records_of(prompt_arg.get(args, kwargs), collector):
                         if record.journal is not None:
-                            pending.rollback(record.journal, "rejected after multimodal processing")
+                            st.pending.rollback(
+                                record.journal, "rejected after multimodal processing"
+                            )
             raise
         ctx.collector = outer
-        with _S_INPUTS_AFTER:
-            if STATE.live:
+        with s_inputs_after:
+            if st.live:
                 replay = None
                 handoff = staging()  # admission control may still refuse the request
-                for record in pending.records_of(prompt_arg.get(args, kwargs), collector):
+                for record in st.pending.records_of(prompt_arg.get(args, kwargs), collector):
                     if record.journal is None:
                         pass
                     elif handoff is not None:
                         handoff.journals.append(record.journal)
                     else:
-                        pending.commit(record.journal)
+                        st.pending.commit(record.journal)
                     replay = replay or record.replay
-                if STATE.recovery:
-                    attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
+                if st.recovery:
+                    st.attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
         return request
 
     return process_inputs

@@ -22,26 +22,17 @@ from ..core import log
 from ..core.messages import DRIFT_EVENT
 from ..core.process import process_label
 from ..core.signatures import reader
-from . import attempts, pending, state
+from . import pending
 from .attempts import Attempt
-from .state import ERRORS, STATE
-from .stats import STATS
-
-LOG_INTERVAL_S = 60.0
-
-_S_START = ERRORS.site("generate:start")
-_S_FIRST = ERRORS.site("generate:first_output")
-_S_RETRY = ERRORS.site("generate:retry")
-_S_RESULT = ERRORS.site("generate:retry_output")
-_drift_limiter = log.RateLimiter(LOG_INTERVAL_S)
+from .state import GuardState
 
 
-def _may_need_recovery(prompt: Any) -> bool:
+def _may_need_recovery(st: GuardState, prompt: Any) -> bool:
     if not isinstance(prompt, dict):
         return False
     mm_kwargs = prompt.get("mm_kwargs")
     if mm_kwargs is not None:
-        record = pending.lookup(mm_kwargs)
+        record = st.pending.lookup(mm_kwargs)
         if record is not None:
             # Processed here: a replay was kept exactly when an item went without data.
             return record.replay is not None
@@ -75,9 +66,9 @@ def _executor_of(engine: Any) -> Any:
     return None
 
 
-async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
+async def _prepare_retry(st: GuardState, engine: Any, prompt: Any, attempt: Attempt) -> Any:
     """The prompt to submit again, with its multimodal data, or None when impossible."""
-    for shadow in state.live_shadows():
+    for shadow in st.live_shadows():
         shadow.invalidate(attempt.hashes)
     if not (isinstance(prompt, dict) and "mm_kwargs" in prompt):
         return prompt  # processed again inside add_request
@@ -92,7 +83,7 @@ async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
     except Exception as exc:
         # vLLM's processor failed on the same inputs: nothing to re-send, and
         # the client gets the error vLLM gave.
-        STATE.fix.note(f"could not process a drifted request again: {exc!r}")
+        st.fix.note(f"could not process a drifted request again: {exc!r}")
         return None
     if not isinstance(result, Mapping) or "mm_kwargs" not in result:
         return None
@@ -105,17 +96,19 @@ async def _prepare_retry(engine: Any, prompt: Any, attempt: Attempt) -> Any:
     return retry
 
 
-def wrap_generate(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_generate(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_start = st.sites.generate_start
     prompt_arg = reader(orig, "prompt", what="AsyncLLM.generate")
     request_id_arg = reader(orig, "request_id", what="AsyncLLM.generate")
 
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         wanted = False
-        with _S_START:
-            wanted = STATE.live and _may_need_recovery(prompt_arg.get(args, kwargs))
+        with s_start:
+            wanted = st.live and _may_need_recovery(st, prompt_arg.get(args, kwargs))
         if not wanted:
             return orig(self, *args, **kwargs)
-        return _recovering(orig, self, args, kwargs, prompt_arg, request_id_arg)
+        return _recovering(st, orig, self, args, kwargs, prompt_arg, request_id_arg)
 
     return generate
 
@@ -129,6 +122,7 @@ def _with_prompt(args: tuple, kwargs: dict, prompt_arg: Any, prompt: Any) -> tup
 
 
 async def _recovering(
+    st: GuardState,
     orig: Callable[..., Any],
     engine: Any,
     args: tuple,
@@ -136,12 +130,16 @@ async def _recovering(
     prompt_arg: Any,
     request_id_arg: Any,
 ) -> AsyncIterator[Any]:
+    s_first = st.sites.generate_first
+    s_result = st.sites.generate_result
+    s_retry = st.sites.generate_retry
+    s_start = st.sites.generate_start
     request_id = request_id_arg.get(args, kwargs)
     attempt: Attempt | None = None
     slot = None
     retry_wanted = False
-    with _S_START:
-        slot = attempts.open_slot(prompt_arg.get(args, kwargs))
+    with s_start:
+        slot = st.attempts.open_slot(prompt_arg.get(args, kwargs))
     stream = orig(engine, *args, **kwargs)
     try:
         try:
@@ -149,11 +147,11 @@ async def _recovering(
         except StopAsyncIteration:
             return
         finally:
-            with _S_FIRST:
+            with s_first:
                 if slot is not None:
-                    attempt = attempts.close_slot(slot)
-        with _S_FIRST:
-            retry_wanted = STATE.live and attempt is not None and is_error_without_tokens(first)
+                    attempt = st.attempts.close_slot(slot)
+        with s_first:
+            retry_wanted = st.live and attempt is not None and is_error_without_tokens(first)
         if not retry_wanted:
             if attempt is not None:
                 attempt.release()
@@ -172,12 +170,12 @@ async def _recovering(
     assert attempt is not None
     retry = None
     try:
-        with _S_RETRY:
-            STATS.add("drift_events")
-            retry = await _prepare_retry(engine, prompt_arg.get(args, kwargs), attempt)
+        with s_retry:
+            st.stats.add("drift_events")
+            retry = await _prepare_retry(st, engine, prompt_arg.get(args, kwargs), attempt)
             if retry is None:
-                STATS.add("recovery_unavailable")
-                _log_drift(request_id, attempt, "it could not be re-sent (inputs unavailable)")
+                st.stats.add("recovery_unavailable")
+                _log_drift(st, request_id, attempt, "it could not be re-sent (inputs unavailable)")
     finally:
         attempt.release()
     if retry is None:
@@ -190,13 +188,13 @@ async def _recovering(
             again = await stream.__anext__()
         except StopAsyncIteration:
             return
-        with _S_RESULT:
+        with s_result:
             if is_error_without_tokens(again):
-                STATS.add("recovery_failures")
-                _log_drift(request_id, attempt, "it failed again after re-sending the data")
+                st.stats.add("recovery_failures")
+                _log_drift(st, request_id, attempt, "it failed again after re-sending the data")
             else:
-                STATS.add("recoveries")
-                _log_drift(request_id, attempt, "recovered by re-sending the data")
+                st.stats.add("recoveries")
+                _log_drift(st, request_id, attempt, "recovered by re-sending the data")
         yield again
         async for out in stream:
             yield out
@@ -204,11 +202,11 @@ async def _recovering(
         await stream.aclose()
 
 
-def _log_drift(request_id: Any, attempt: Attempt, outcome: str) -> None:
-    may_log, held = _drift_limiter.ready()
+def _log_drift(st: GuardState, request_id: Any, attempt: Attempt, outcome: str) -> None:
+    may_log, held = st.drift_limiter.ready()
     if not may_log:
         return
-    totals = STATS.as_dict()
+    totals = st.stats.as_dict()
     log.warning(
         "%s in %s: EngineCore had no data for request %s (%d item(s) were sent as already "
         "cached); %s. Totals: drift_events=%d recoveries=%d recovery_failures=%d "

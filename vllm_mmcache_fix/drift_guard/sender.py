@@ -14,27 +14,14 @@ from typing import Any
 from ..core import registry
 from ..core.signatures import require_prefix
 from ..vllm_layout import SENDER_LRU_ATTR
-from . import state
 from .context import scope
 from .journal import Shadow
 from .owns import patch_id
-from .state import ERRORS, STATE
-from .stats import STATS
+from .state import GuardState
 
 PATCH_ID = patch_id("sender")
 SHADOW_ATTR = "_mmcache_fix_drift"
 _UNSUPPORTED = False  # stored in the instance when its cache cannot be tracked
-
-_S_INIT = ERRORS.site("sender.__init__")
-_S_EVICT_BEFORE = ERRORS.site("sender.evict:before")
-_S_EVICT = ERRORS.site("sender.evict")
-_S_IS_CACHED = ERRORS.site("sender.is_cached_item")
-_S_TOUCH_BEFORE = ERRORS.site("sender.touch_sender_cache_item:before")
-_S_TOUCH_AFTER = ERRORS.site("sender.touch_sender_cache_item:after")
-_S_UPDATE_BEFORE = ERRORS.site("sender.get_and_update_item:before")
-_S_UPDATE_AFTER = ERRORS.site("sender.get_and_update_item:after")
-_S_CLEAR = ERRORS.site("sender.clear_cache")
-_S_INVALIDATE = ERRORS.site("sender.invalidate")
 
 
 def check_lru(lru: Any) -> str | None:
@@ -51,44 +38,46 @@ def check_lru(lru: Any) -> str | None:
     return None
 
 
-def _attach(sender: Any) -> Shadow | None:
+def _attach(st: GuardState, sender: Any) -> Shadow | None:
+    s_evict = st.sites.evict
+    s_evict_before = st.sites.evict_before
     lru = getattr(sender, SENDER_LRU_ATTR, None)
     reason = check_lru(lru)
     if lru is None or reason is not None:
         registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, _UNSUPPORTED)
-        STATE.fix.note(f"sender cache not tracked: {reason}")
+        st.fix.note(f"sender cache not tracked: {reason}")
         return None
     shadow = Shadow(lru)
     cls_popitem = type(lru).popitem
 
     def popitem(*args: Any, **kwargs: Any) -> Any:
-        with _S_EVICT_BEFORE:
+        with s_evict_before:
             if shadow.alive:
                 # A key a rollback left behind newer ones is evicted in its turn.
                 shadow.settle_front()
         key, value = cls_popitem(lru, *args, **kwargs)
-        with _S_EVICT:
+        with s_evict:
             if shadow.alive:
                 shadow.on_evict(key, value, scope().journal)
         return key, value
 
     registry.set_instance_attr(PATCH_ID, lru, "popitem", popitem)
     registry.set_instance_attr(PATCH_ID, sender, SHADOW_ATTR, shadow)
-    state.add_shadow(shadow)
-    STATE.tracking = True
+    st.add_shadow(shadow)
+    st.tracking = True
     return shadow
 
 
-def detach(shadow: Shadow) -> None:
+def detach(st: GuardState, shadow: Shadow) -> None:
     """Stop tracking one cache: vLLM's (fixed) eviction and no bookkeeping from now on."""
     shadow.alive = False
     registry.revert_instance_attr(shadow.lru, "popitem")
-    state.discard_shadow(shadow)
+    st.discard_shadow(shadow)
 
 
-def shadow_of(sender: Any) -> Shadow | None:
+def shadow_of(st: GuardState, sender: Any) -> Shadow | None:
     """The live shadow of ``sender``, attaching one to a patched sender class on first use."""
-    if not STATE.installed or STATE.switched_off is not None:
+    if not st.installed or st.switched_off is not None:
         return None
     try:
         shadow = sender.__dict__.get(SHADOW_ATTR)
@@ -97,12 +86,12 @@ def shadow_of(sender: Any) -> Shadow | None:
     if shadow is None:
         # Only instances of the patched sender classes: a processor-only or
         # shared-memory cache passed to the same processor is left alone.
-        if not isinstance(sender, STATE.sender_types):
+        if not isinstance(sender, st.sender_types):
             return None
-        with STATE.lock:
+        with st.lock:
             shadow = sender.__dict__.get(SHADOW_ATTR)
             if shadow is None:
-                return _attach(sender)
+                return _attach(st, sender)
     if not shadow or not shadow.alive:
         return None
     return shadow
@@ -126,23 +115,28 @@ def _sent_without_data(result: Any) -> bool:
 # SignatureMismatch when vLLM's function does not take what the wrapper passes.
 
 
-def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
+def wrap_init(guard: Any, orig: Callable[..., None]) -> Callable[..., None]:
+    st: GuardState = guard.state
+    s_init = st.sites.sender_init
+
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
-        with _S_INIT:
-            shadow_of(self)
-            STATE.fix.announce()
+        with s_init:
+            shadow_of(st, self)
+            st.fix.announce()
 
     return __init__
 
 
-def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+def wrap_is_cached_item(guard: Any, orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    st: GuardState = guard.state
+    s_is_cached = st.sites.is_cached
     require_prefix(orig, ("self", "mm_hash"), what="is_cached_item")
 
     def is_cached_item(self: Any, mm_hash: Any) -> bool:
         shadow = None
-        if STATE.live:
-            with _S_IS_CACHED:
+        if st.live:
+            with s_is_cached:
                 shadow = _live_shadow(self)
         if shadow is None:
             return orig(self, mm_hash)
@@ -152,13 +146,13 @@ def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any]
         with shadow.lock:
             hit = orig(self, mm_hash)
             if hit:
-                with _S_IS_CACHED:
+                with s_is_cached:
                     if shadow.alive:
                         ctx = scope()
                         if shadow.looks_uncached(mm_hash, ctx.journal):
                             # Inserted or moved by a request that has not reached
                             # EngineCore yet, or doubtful: have the caller send the data.
-                            STATS.add("tentative_bypasses")
+                            st.stats.add("tentative_bypasses")
                             ctx.bypassed.add(mm_hash)
                             return False
         return hit
@@ -166,22 +160,25 @@ def wrap_is_cached_item(orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any]
     return is_cached_item
 
 
-def wrap_touch(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+def wrap_touch(guard: Any, orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    st: GuardState = guard.state
+    s_touch_after = st.sites.touch_after
+    s_touch_before = st.sites.touch_before
     require_prefix(orig, ("self", "mm_hash"), what="touch_sender_cache_item")
 
     def touch_sender_cache_item(self: Any, mm_hash: Any) -> None:
         shadow = None
-        with _S_TOUCH_BEFORE:
-            shadow = shadow_of(self)
+        with s_touch_before:
+            shadow = shadow_of(st, self)
         if shadow is None:
             return orig(self, mm_hash)
         with shadow.lock:
             before = None
-            with _S_TOUCH_BEFORE:
+            with s_touch_before:
                 before = (mm_hash in shadow.lru._Cache__data, shadow.seq.get(mm_hash))
             orig(self, mm_hash)
             if before is not None and before[0]:
-                with _S_TOUCH_AFTER:
+                with s_touch_after:
                     if shadow.alive and mm_hash in shadow.lru._Cache__data:
                         shadow.note_access(mm_hash, scope().journal, before[1])
         return None
@@ -189,18 +186,23 @@ def wrap_touch(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     return touch_sender_cache_item
 
 
-def wrap_get_and_update_item(orig: Callable[[Any, Any, Any], Any]) -> Callable[..., Any]:
+def wrap_get_and_update_item(
+    guard: Any, orig: Callable[[Any, Any, Any], Any]
+) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    s_update_after = st.sites.update_after
+    s_update_before = st.sites.update_before
     require_prefix(orig, ("self", "mm_item", "mm_hash"), what="get_and_update_item")
 
     def get_and_update_item(self: Any, mm_item: Any, mm_hash: Any) -> Any:
         shadow = None
-        with _S_UPDATE_BEFORE:
-            shadow = shadow_of(self)
+        with s_update_before:
+            shadow = shadow_of(st, self)
         if shadow is None:
             return orig(self, mm_item, mm_hash)
         with shadow.lock:
             before = None
-            with _S_UPDATE_BEFORE:
+            with s_update_before:
                 ctx = scope()
                 journal = ctx.journal
                 # Data the guard asked for (it made the key look uncached) is sent
@@ -217,7 +219,7 @@ def wrap_get_and_update_item(orig: Callable[[Any, Any, Any], Any]) -> Callable[.
             result = orig(self, mm_item, mm_hash)
             if before is None:
                 return result
-            with _S_UPDATE_AFTER:
+            with s_update_after:
                 if not shadow.alive:
                     return result
                 journal, present, prev, send_data = before
@@ -233,18 +235,20 @@ def wrap_get_and_update_item(orig: Callable[[Any, Any, Any], Any]) -> Callable[.
     return get_and_update_item
 
 
-def wrap_clear_cache(orig: Callable[[Any], None]) -> Callable[[Any], None]:
+def wrap_clear_cache(guard: Any, orig: Callable[[Any], None]) -> Callable[[Any], None]:
+    st: GuardState = guard.state
+    s_clear = st.sites.clear
     require_prefix(orig, ("self",), what="clear_cache")
 
     def clear_cache(self: Any) -> None:
         shadow = None
-        with _S_CLEAR:
+        with s_clear:
             shadow = _live_shadow(self)
         if shadow is None:
             return orig(self)
         with shadow.lock:
             orig(self)
-            with _S_CLEAR:
+            with s_clear:
                 if shadow.alive:
                     shadow.reset()
         return None
@@ -252,27 +256,29 @@ def wrap_clear_cache(orig: Callable[[Any], None]) -> Callable[[Any], None]:
     return clear_cache
 
 
-def wrap_invalidate(orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+def wrap_invalidate(guard: Any, orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    st: GuardState = guard.state
+    s_invalidate = st.sites.invalidate
     require_prefix(orig, ("self", "mm_hash"), what="invalidate")
 
     def invalidate(self: Any, mm_hash: Any) -> None:
         shadow = None
-        with _S_INVALIDATE:
+        with s_invalidate:
             shadow = _live_shadow(self)
         if shadow is None:
             return orig(self, mm_hash)
         with shadow.lock:
             orig(self, mm_hash)
-            with _S_INVALIDATE:
+            with s_invalidate:
                 if shadow.alive:
                     shadow.forget(mm_hash)
-                    STATS.add("engine_reported_misses")
+                    st.stats.add("engine_reported_misses")
         return None
 
     return invalidate
 
 
-WRAPPERS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+WRAPPERS: tuple[tuple[str, Callable[[Any, Any], Any]], ...] = (
     ("__init__", wrap_init),
     ("is_cached_item", wrap_is_cached_item),
     ("touch_sender_cache_item", wrap_touch),

@@ -39,6 +39,3 @@ class DriftStats:
             for name in list(vars(self)):
                 if not name.startswith("_"):
                     setattr(self, name, 0)
-
-
-STATS = DriftStats()

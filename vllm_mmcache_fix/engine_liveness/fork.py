@@ -43,10 +43,13 @@ def lock_owners() -> list[tuple[Any, str]]:
         module = sys.modules.get(f"{package}.{name}")
         if module is not None:
             owners.append((module, attr))
-    for name in ("lru_eviction.cache", "drift_guard.stats"):
-        stats = getattr(sys.modules.get(f"{package}.{name}"), "STATS", None)
-        if stats is not None:
-            owners.append((stats, "_lock"))
+    stats = getattr(sys.modules.get(f"{package}.lru_eviction.cache"), "STATS", None)
+    if stats is not None:
+        owners.append((stats, "_lock"))
+    guard = getattr(sys.modules.get(f"{package}.drift_guard"), "GUARD", None)
+    drift_stats = getattr(getattr(guard, "state", None), "stats", None)
+    if drift_stats is not None:
+        owners.append((drift_stats, "_lock"))
     signals = sys.modules.get(f"{package}.core.signals")
     if signals is not None:
         kind = getattr(signals, "Signal", None)

@@ -121,7 +121,7 @@ def _run(layer: dict[str, Any], plan: list[list[str]], patched: bool) -> float:
     merge = processor_cls._merge_mm_kwargs
     process_inputs: Callable[..., Any] = _stub_process_inputs
     if patched:
-        process_inputs = processor.wrap_process_inputs(_stub_process_inputs)
+        process_inputs = processor.wrap_process_inputs(drift.GUARD, _stub_process_inputs)
     stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
     make_item = layer["item"]
     items: dict[Any, Any] = {}
@@ -146,7 +146,7 @@ def _run(layer: dict[str, Any], plan: list[list[str]], patched: bool) -> float:
         prompt = {"type": "multimodal", "mm_kwargs": mm_kwargs, "mm_hashes": {"image": hashes}}
         if patched:
             # What the generate() wrapper decides before vLLM's own generate runs.
-            recovery._may_need_recovery(prompt)
+            recovery._may_need_recovery(drift.GUARD.state, prompt)
         process_inputs(None, f"r{i}", prompt, None)
     return (time.perf_counter() - t0) / len(plan)
 

@@ -123,7 +123,7 @@ def _build(self: Any, request_id: str, prompt: dict, params: Any) -> Any:
 
 def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> dict[str, Any]:
     from vllm_mmcache_fix import drift_guard as drift
-    from vllm_mmcache_fix.drift_guard import attempts, processor
+    from vllm_mmcache_fix.drift_guard import processor
 
     request_inputs = v["inputs"](tokens)
 
@@ -132,17 +132,17 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
         apply = _apply_body(v, sender)
         process_inputs: Any = _build
         if patched:
-            apply = processor.wrap_apply(apply)
-            process_inputs = processor.wrap_process_inputs(_build)
+            apply = processor.wrap_apply(drift.GUARD, apply)
+            process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
         # The image is cached (and has reached EngineCore) from now on.
         process_inputs(None, "warm-up", apply(None, request_inputs), None)
         t0 = time.perf_counter()
         for i in range(requests):
             prompt = apply(None, request_inputs)
-            slot = attempts.open_slot(prompt) if patched else None
+            slot = drift.GUARD.state.attempts.open_slot(prompt) if patched else None
             process_inputs(None, f"r{i}", prompt, None)
             if slot is not None:
-                attempt = attempts.close_slot(slot)
+                attempt = drift.GUARD.state.attempts.close_slot(slot)
                 # The request sent its image as cached: its inputs were sized and kept.
                 assert attempt is not None and attempt.replay is not None
                 attempt.release()
@@ -156,7 +156,7 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
         without.append(run(False))
         drift.install()
         with_plugin.append(run(True))
-        kept = attempts.attempts()["refused_for_size"]
+        kept = drift.GUARD.state.attempts.attempts()["refused_for_size"]
     drift.uninstall()
     b, w = statistics.median(without), statistics.median(with_plugin)
     return {
@@ -172,13 +172,13 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
 
 def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]:
     from vllm_mmcache_fix import drift_guard as drift
-    from vllm_mmcache_fix.drift_guard import pending, processor
+    from vllm_mmcache_fix.drift_guard import processor
 
     def fill() -> tuple[Any, Any]:
         """``entries`` requests, each reaching EngineCore (committed)."""
         sender = v["make_sender"](entries)
         merge = v["merge"]()
-        process_inputs = processor.wrap_process_inputs(_build)
+        process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
         for i in range(entries):
             h = f"img{i}"
             mm_kwargs, _ = merge(
@@ -214,10 +214,10 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     for n in range(rounds):
         assert f"img{entries // 2 + n}" in sender._cache
         mm_kwargs = rejected_request(sender, merge, n)
-        record = pending.take(mm_kwargs)
+        record = drift.GUARD.state.pending.take(mm_kwargs)
         assert record is not None and record.journal is not None
         t0 = time.perf_counter()
-        pending.rollback(record.journal, "benchmark")
+        drift.GUARD.state.pending.rollback(record.journal, "benchmark")
         times.append(time.perf_counter() - t0)
     # Every rollback put a key back in the middle of the order (and the evicted one back).
     assert drift.status()["counts"]["rollback_reorders"] - reorders == rounds
