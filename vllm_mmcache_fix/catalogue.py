@@ -21,7 +21,7 @@ real ``LRUCache``, every layout lookup, the source patch, the drift guard on its
 classes and ``_merge_mm_kwargs`` (``tests/unit/test_catalogue.py``: the newest release in
 ``harness/sources.py``)."""
 
-NEWEST_SERVER_CHECKED = "0.32.0"
+NEWEST_SERVER_CHECKED = "0.33.0"
 """The newest vLLM release with a passing real-server row in ``compat/matrix.json``
 (the incident without and with the plugin, drift, concurrent clients)."""
 

@@ -10,10 +10,10 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +44,7 @@ from vllm_mmcache_fix.tools.diagnose import (
     thread_is_blocked,
     thread_is_spinning,
 )
+from vllm_mmcache_fix.tools.diagnose import run as diagnose_run
 
 C = Classification
 INTERVAL = 1.0
@@ -212,12 +213,26 @@ def test_interval_too_short(children: Children) -> None:
 
 
 @pytest.mark.parametrize("reap", [True, False], ids=["reaped", "zombie"])
-def test_exits_mid_sample(children: Children, reap: bool) -> None:
-    proc = children.start(SLEEPER, "0.5")
+def test_exits_mid_sample(children: Children, reap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = children.start(SLEEPER)
     assert read_line(proc) == "ready"
-    if reap:
-        reaper = threading.Thread(target=proc.wait, daemon=True)
-        reaper.start()
+    watch = diagnose_run._watch_states
+
+    def exit_after_the_first_samples(*args: Any, **kwargs: Any) -> Any:
+        # The process ends between the first samples and the sampling interval, however
+        # loaded the machine (a child that slept a fixed 0.5 s could be gone before the
+        # first sample, and diagnose then rightly says "no process with PID").
+        proc.kill()
+        if reap:
+            proc.wait(timeout=30)
+        else:
+            stat = Path(f"/proc/{proc.pid}/stat")
+            deadline = time.monotonic() + 30
+            while ") Z " not in stat.read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return watch(*args, **kwargs)
+
+    monkeypatch.setattr(diagnose_run, "_watch_states", exit_after_the_first_samples)
 
     d = diagnose(proc.pid, interval=INTERVAL)
 
