@@ -124,6 +124,7 @@ class EngineLivenessAnswer(Fix):
         self._progress_site = self.errors.site("engine_liveness.progress")
         self._details_site = self.errors.site("engine_liveness.snapshot_details")
         self._abort_site = self.errors.site("engine_liveness.abort_stuck")
+        self._fork_site = self.errors.site(fork.SITE)  # counted in a forked child (fork.py)
         self._reset()
 
     def _reset(self) -> None:
@@ -139,6 +140,11 @@ class EngineLivenessAnswer(Fix):
         """Pings answered in the input thread; off after an internal error there."""
         self.detailing = True
         """Answers carry the stall snapshot's details; off after an internal error there."""
+        self.fork_locks = True
+        """This (forked) process made its locks new after the fork; False when that broke."""
+        self.answering = True
+        """Answers carry the loop's state, progress and counts; off after an internal error
+        there (the answer is then pid and route only: the API server turns its check off)."""
         self._local = threading.local()
         self._announced = False
         self.abort_timeout = 0.0
@@ -182,6 +188,8 @@ class EngineLivenessAnswer(Fix):
             "snapshot_details": self.detailing,
             "abort_stuck": bool(self.abort_timeout) and self.aborting,
             "stuck_aborts": self.stuck_aborts,
+            "answer": self.answering,
+            "fork_locks": self.fork_locks,
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -197,6 +205,10 @@ class EngineLivenessAnswer(Fix):
             self.adopting = False
         elif where == self._abort_site.name:
             self.aborting = False
+        elif where == self._answer_site.name:
+            self.answering = False
+        elif where == self._fork_site.name:
+            self.fork_locks = False
 
     def _on_import(self, name: str) -> bool:
         module = sys.modules.get(ENGINE_CORE_CLASS.module)
@@ -372,6 +384,8 @@ class EngineLivenessAnswer(Fix):
             "pid": os.getpid(),
             "via": VIA_INPUT_THREAD if via_input else VIA_BUSY_LOOP,
         }
+        if not self.answering:
+            return reply
         with self._answer_site:
             self.answers += 1
             self.answers_in_input_thread += via_input

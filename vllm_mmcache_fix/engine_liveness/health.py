@@ -258,6 +258,8 @@ class EngineHealth(Fix):
         if self.switched_off is not None:
             return None
         self.attach(engine)
+        if self.switched_off is not None:
+            return None  # attach's own work failed just now (counted once, there)
         client = getattr(engine, ENGINE_CLIENT_ATTR, None)
         beat = liveness.heartbeats.get(client) if liveness.usable(client) else None
         if beat is None:

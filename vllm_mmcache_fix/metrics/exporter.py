@@ -319,8 +319,8 @@ class Exporter:
         exporter."""
         try:
             with self._lock:
-                if not self.started:
-                    return
+                if not self.started or self._stop.is_set():
+                    return  # not started, or stopped (given up, switched off): no more syncs
                 local, engines, ages = self.local(), self.engines(), self.ages()
                 planned = Deltas(dict(self.deltas.seen), set(self.deltas.gauges))
                 updates = plan(planned, local, engines, ages, self.declarations)

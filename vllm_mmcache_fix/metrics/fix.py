@@ -34,6 +34,7 @@ class PluginMetrics(Fix):
         super().__init__()
         self.exporter = Exporter(local, engines, self._sync_failed, ages, declarations, progress)
         self._site = self.errors.site("metrics.start")
+        self._sync_site = self.errors.site("metrics.sync")  # recorded by _sync_failed
         self._reset()
 
     def _reset(self) -> None:
@@ -84,7 +85,7 @@ class PluginMetrics(Fix):
 
     def _sync_failed(self, exc: BaseException) -> None:
         """The exporter gave up after a long run of failed syncs (a persistent error)."""
-        self.errors.record("metrics.sync", exc)
+        self.errors.record(self._sync_site.name, exc)
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
         self.switched_off = f"internal error at {where}: {exc!r}"

@@ -85,6 +85,7 @@ class StallSentinelFix(Fix):
     def __init__(self) -> None:
         super().__init__()
         self._site = self.errors.site("stall.sample")
+        self._thread_site = self.errors.site("stall.thread")  # the thread's set-up (_run)
         self._reset()
 
     def _reset(self) -> None:
@@ -194,7 +195,7 @@ class StallSentinelFix(Fix):
         try:
             self._loop()
         except Exception as exc:
-            self.errors.record("stall.thread", exc)
+            self.errors.record(self._thread_site.name, exc)
 
     def _loop(self) -> None:
         stop = self._stop
