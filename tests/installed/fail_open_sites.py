@@ -208,6 +208,10 @@ async def check_own(llm: Any) -> str:
 Case = Callable[[dict[str, Any]], dict[str, Any]]
 CASES: dict[str, tuple[str, object, str, Case]] = {}
 """site -> (fix id, owner, attribute made to raise, driver)."""
+CASE_ENV: dict[str, dict[str, str]] = {
+    "engine_liveness.abort_stuck": {"MMCACHE_FIX_ABORT_STUCK": "on"},
+}
+"""Settings a case's fix is built with (set before instrument, removed after)."""
 
 
 def case(site: str, fix_id: str, owner: object, attr: str) -> Callable[[Case], Case]:
@@ -291,6 +295,26 @@ def _details(out: dict[str, Any]) -> dict[str, Any]:
     out["mark"]()
     out["second"] = ping_from_input_thread(engine, 2)
     out["off"] = fix("engine-liveness-answer").detailing is False
+    return out
+
+
+@case("engine_liveness.abort_stuck", "engine-liveness-answer", answer_mod, "oldest")
+def _abort_stuck(out: dict[str, Any]) -> dict[str, Any]:
+    """The remedy's pick raises: the step's own result stands, no request is aborted, and
+    the remedy is off (the verdict and the 503 stay)."""
+    aborted: list[Any] = []
+    own = make_engine(waiting=True)
+    out["own"] = unwrapped(core.EngineCoreProc._process_engine_step)(own)
+    engine = make_engine(waiting=True)
+    engine.abort_requests = aborted.append
+    fix("engine-liveness-answer").adopt(engine)
+    progress = engine.__dict__[answer_mod.ENGINE_ATTR].progress
+    progress.work, progress.since = True, time.monotonic() - 1000.0  # stuck for 1000 s
+    out["first"] = step(engine)
+    out["mark"]()
+    out["second"] = step(engine)
+    out["aborted"] = aborted
+    out["off"] = fix("engine-liveness-answer").aborting is False
     return out
 
 
@@ -481,8 +505,14 @@ def _fork(out: dict[str, Any]) -> dict[str, Any]:
 
 def run_case(site: str) -> dict[str, Any]:
     fix_id, owner, attr, driver = CASES[site]
+    env = CASE_ENV.get(site, {})
+    os.environ.update(env)
     plugin.uninstrument()
-    plugin.instrument()
+    try:
+        plugin.instrument()
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
     target = fix(fix_id)
     original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
     replacement: Any = "_mmcache_fix_missing" if isinstance(original, str) else boom

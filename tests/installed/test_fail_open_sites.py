@@ -177,6 +177,9 @@ def _vllm_side(site: str, got: dict[str, Any]) -> None:
         assert got["ping"]["failure"] is None, got  # the child's engine answers
     if site == "engine_liveness.progress":
         assert got["first"] is got["second"] is got["own"] is True, got
+    if site == "engine_liveness.abort_stuck":
+        assert got["first"] is got["second"] is got["own"] is True, got
+        assert got["aborted"] == [], got  # nothing aborted by a remedy that broke
     if site in ("engine_liveness.answer", "engine_liveness.snapshot_details"):
         for call in (got["first"], got["second"]):
             assert call["failure"] is None and call["via"] == "input thread", got
