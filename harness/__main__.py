@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "unit-pythons": "harness.pythons",
     "health-rtt": "harness.programs.health",
     "health-load": "harness.programs.health_load",
+    "false-verdicts": "harness.programs.false_verdicts",
     "sentinel-cost": "harness.programs.sentinel_cost",
     "matrix": "harness.programs.matrix",
     "e2e-versions": "harness.venvs:print_e2e_versions",

@@ -19,7 +19,10 @@ chosen by environment variables (:func:`inject_env` writes them):
   answers to the plugin's heartbeat pings as they arrive (their futures never resolve, as
   when vLLM's ROUTER drops the replies of an engine that reconnects); while ``livelock``
   exists EngineCore's scheduler schedules nothing (the zero-token livelock: empty steps, every
-  ping answered).
+  ping answered); ``slow-steps`` (its text: seconds) makes every step that much longer
+  while it exists; ``slow-grammar`` (seconds) makes each structured-output grammar take that
+  much longer to compile; while ``remote-kv`` exists every waiting request is left in
+  vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled.
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -38,6 +41,9 @@ STUCK_STEP = "stuck-step"
 BURN_API = "burn-api"
 DROP_PINGS = "drop-pings"
 LIVELOCK = "livelock"
+SLOW_STEPS = "slow-steps"
+SLOW_GRAMMAR = "slow-grammar"
+REMOTE_KV = "remote-kv"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
 

@@ -39,6 +39,9 @@ def _engine_core(module: ModuleType) -> None:
                 _say("stuck step returns")
             if STEP_SLEEP:
                 time.sleep(STEP_SLEEP)
+            slow = _trigger_seconds("slow-steps")
+            if slow:
+                time.sleep(slow)
             return step(self, *args, **kwargs)
 
         proc._process_engine_step = _process_engine_step
@@ -52,6 +55,16 @@ def _engine_core(module: ModuleType) -> None:
             return reset(self, *args, **kwargs)
 
         core.reset_prefix_cache = reset_prefix_cache
+
+
+def _trigger_seconds(name: str) -> float:
+    """The seconds written in trigger file ``name`` (0 when it is absent or unreadable)."""
+    if TRIGGERS is None:
+        return 0.0
+    try:
+        return float((TRIGGERS / name).read_text() or 0)
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _burn(seconds: float) -> int:
@@ -136,6 +149,62 @@ def _scheduler(module: ModuleType) -> None:
             self.running, self.waiting = running, waiting
 
     cls.schedule = schedule_wrapper
+    _remote_kv(module, cls)
+
+
+def _remote_kv(module: ModuleType, cls: Any) -> None:
+    """While ``remote-kv`` exists, every waiting request is put in vLLM's
+    ``WAITING_FOR_REMOTE_KVS`` state and left in the waiting queue unscheduled, as with a KV
+    connector whose transfer has not arrived; running requests go on. Once the file goes,
+    they are ``WAITING`` again and served."""
+    status_cls: Any = getattr(sys.modules.get("vllm.v1.request"), "RequestStatus", None)
+    remote = getattr(status_cls, "WAITING_FOR_REMOTE_KVS", None)
+    if status_cls is None or remote is None:
+        return
+    schedule = cls.schedule
+    parked: dict[str, Any] = {}
+
+    def schedule_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert TRIGGERS is not None
+        if not (TRIGGERS / "remote-kv").exists():
+            if parked:
+                for request in parked.values():
+                    if request.status == remote:
+                        request.status = status_cls.WAITING
+                _say(f"remote-kv: {len(parked)} request(s) waiting again")
+                parked.clear()
+            return schedule(self, *args, **kwargs)
+        for request in list(self.waiting):
+            if request.request_id not in parked and request.status == status_cls.WAITING:
+                request.status = remote
+                parked[request.request_id] = request
+                _say(f"remote-kv: request {request.request_id} waits for remote KV")
+        waiting = self.waiting
+        self.waiting = type(waiting)()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            self.waiting = waiting
+
+    cls.schedule = schedule_wrapper
+
+
+def _structured_output(module: ModuleType) -> None:
+    """While ``slow-grammar`` exists (its text: seconds), compiling a request's grammar takes
+    that much longer (in vLLM's grammar thread pool; the request waits for its grammar)."""
+    cls = getattr(module, "StructuredOutputManager", None)
+    if cls is None or TRIGGERS is None or not hasattr(cls, "_create_grammar"):
+        return
+    create = cls._create_grammar
+
+    def _create_grammar(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seconds = _trigger_seconds("slow-grammar")
+        if seconds:
+            _say(f"grammar compilation takes {seconds:g} s longer")
+            time.sleep(seconds)
+        return create(self, *args, **kwargs)
+
+    cls._create_grammar = _create_grammar
 
 
 def _cpu_platform(module: ModuleType) -> None:
@@ -158,6 +227,7 @@ TARGETS: dict[str, Callable[[ModuleType], None]] = {
     "vllm.v1.engine.async_llm": _async_llm,
     "vllm.v1.engine.core_client": _core_client,
     "vllm.v1.core.sched.scheduler": _scheduler,
+    "vllm.v1.structured_output": _structured_output,
     "vllm.platforms.cpu": _cpu_platform,
 }
 
