@@ -349,6 +349,48 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     return out
 
 
+PREEMPT_PROMPT_WORDS = 300
+"""About 1,000 tokens: eight prefill chunks of :data:`STALL_ARGS`' 128 tokens."""
+STALL_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "128")
+"""The ``stall`` case's server: prefills chunked 128 tokens a step, so a request preempted
+after every step never gets past its first chunk."""
+
+
+def phase_preempt(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """The preemption cascade: every running request preempted after each step (recomputed
+    from 0, never past its first chunk) while the loop turns and every ping is answered:
+    503 within the progress timeout plus the margin; once preemption stops, the request
+    completes and ``/health`` is 200 again."""
+    out: dict[str, Any] = {}
+    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
+    colours = ("red", "cat", "sun", "tree", "blue")
+    words = " ".join(colours[i % 5] for i in range(PREEMPT_PROMPT_WORDS))
+    payload = chat_payload(words, None, 2)
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        before = time.monotonic()
+        time.sleep(2.0)
+        trigger = inject.trigger(trigger_dir, inject.PREEMPT)
+        started = time.monotonic()
+
+        def send() -> None:
+            out["request"] = http_post(url + "/v1/chat/completions", payload, 300).status
+
+        request = threading.Thread(target=send)
+        request.start()
+        bad = poller.wait_first(503, started, limit)
+        out["detected_s"] = round(bad.at - started, 2) if bad else None
+        out["metrics_while_stuck"] = _plugin_metrics(url)
+        trigger.unlink()
+        released = time.monotonic()
+        good = poller.wait_first(200, released, 30)
+        out["recovered_s"] = round(good.at - released, 2) if good else None
+        request.join(300)
+        healthy = [p for p in poller.polls if before <= p.at < started]
+    out["statuses_before"] = sorted({str(p.status) for p in healthy})
+    out["preempting_s"] = round(released - started, 1)
+    return out
+
+
 def _finish_reason(body: str) -> str | None:
     with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
         return str(json.loads(body)["choices"][0]["finish_reason"])
@@ -545,12 +587,14 @@ def run_serve(
     lock: ServerLock,
     phases: tuple[str, ...] = SERVE_PHASES,
     extra_env: dict[str, str] | None = None,
+    case: str = "serve",
+    args: tuple[str, ...] = (),
 ) -> Run:
     version = venv_vllm_version(venv)
     plugin = variant.startswith("plugin")
     fork = variant.endswith("-fork")
-    run = Run(f"{version} serve {variant}", version, "serve", variant)
-    log = new_log_path(f"health-serve-{version}-{variant}")
+    run = Run(f"{version} {case} {variant}", version, case, variant)
+    log = new_log_path(f"health-{case}-{version}-{variant}")
     run.log = str(log)
     with tempfile.TemporaryDirectory(prefix="mmcache-inject-") as triggers:
         trigger_dir = Path(triggers)
@@ -572,7 +616,7 @@ def run_serve(
             trigger_dir=trigger_dir,
         )
         model = tiny_models.ensure_model(venv)
-        server = Server(venv, model, log, env=env, lock=lock)
+        server = Server(venv, model, log, env=env, lock=lock, extra_args=list(args))
         try:
             server.start()
             run.startup_s = round(server.wait_ready(600), 1)
@@ -589,6 +633,7 @@ def run_serve(
                 "drop": lambda: phase_drop(url, trigger_dir),
                 "livelock": lambda: phase_livelock(url, trigger_dir),
                 "abort_stuck": lambda: phase_abort_stuck(url, trigger_dir),
+                "preempt": lambda: phase_preempt(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()
@@ -732,6 +777,10 @@ def execute(key: str, wheel: Path, lock: ServerLock) -> Run:
         return run_incident_case(venv, variant, lock=lock)
     if case == "topology":
         return run_topology(venv, variant, lock=lock)
+    if case == "stall":
+        return run_serve(
+            venv, variant, lock=lock, phases=("preempt",), case="stall", args=STALL_ARGS
+        )
     raise ValueError(f"unknown case {case!r} in {key!r}")
 
 
@@ -861,6 +910,17 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
             out["incident_metric"] = failed >= 1
         else:
             out["incident_200_baseline"] = inc.get("statuses_after_freeze") == ["200"]
+    elif run.get("case") == "stall":
+        cascade = phases.get("preempt", {})
+        detected = cascade.get("detected_s")
+        out["preempt_200_before"] = cascade.get("statuses_before") == ["200"]
+        out["preempt_503_in_time"] = detected is not None and detected <= (
+            PROGRESS_TIMEOUT_S + DETECT_MARGIN_S
+        )
+        out["preempt_recovers"] = cascade.get("recovered_s") is not None
+        out["preempt_request_served"] = cascade.get("request") == 200
+        out["preempt_logged"] = scan.get("no_progress") == 1
+        out["never_off"] = scan.get("check_off") == 0
     elif run.get("case") == "topology":
         topo = phases.get("topology", {})
         out["engine_series_without_health"] = bool(topo.get("engine_series_without_health"))
@@ -895,7 +955,7 @@ def render_table(data: dict[str, Any]) -> str:
             if utility
             else "-"
         )
-        stuck = phases.get("stuck_step") or phases.get("incident") or {}
+        stuck = phases.get("stuck_step") or phases.get("incident") or phases.get("preempt") or {}
         if "detected_s" in stuck and stuck["detected_s"] is not None:
             stuck_text = f"{stuck['detected_s']:.1f} s"
         elif stuck:

@@ -22,7 +22,8 @@ chosen by environment variables (:func:`inject_env` writes them):
   ping answered); ``slow-steps`` (its text: seconds) makes every step that much longer
   while it exists; ``slow-grammar`` (seconds) makes each structured-output grammar take that
   much longer to compile; while ``remote-kv`` exists every waiting request is left in
-  vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled.
+  vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled; while ``preempt`` exists every
+  running request is preempted after each step (the preemption cascade).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -44,6 +45,7 @@ LIVELOCK = "livelock"
 SLOW_STEPS = "slow-steps"
 SLOW_GRAMMAR = "slow-grammar"
 REMOTE_KV = "remote-kv"
+PREEMPT = "preempt"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
 

@@ -150,6 +150,46 @@ def _scheduler(module: ModuleType) -> None:
 
     cls.schedule = schedule_wrapper
     _remote_kv(module, cls)
+    _preempt(module, cls)
+
+
+def _preempt(module: ModuleType, cls: Any) -> None:
+    """While ``preempt`` exists, after every step each running request is preempted as vLLM
+    preempts one when KV blocks run out (blocks freed, computed tokens back to 0, to the
+    front of the waiting queue): recomputed over and over, never past its mark (the
+    preemption cascade, vllm#49674)."""
+    update = getattr(cls, "update_from_output", None)
+    status_cls: Any = getattr(sys.modules.get("vllm.v1.request"), "RequestStatus", None)
+    if update is None or status_cls is None:
+        return
+    count = [0]
+
+    def preempt_one(self: Any, request: Any) -> None:
+        own = getattr(self, "_preempt_request", None)
+        if own is not None:
+            own(request, time.monotonic())
+        else:  # vLLM 0.23: done inline in schedule()
+            self.kv_cache_manager.free(request)
+            self.encoder_cache_manager.free(request)
+            request.status = status_cls.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = update(self, *args, **kwargs)
+        assert TRIGGERS is not None
+        if (TRIGGERS / "preempt").exists():
+            running = [r for r in self.running if r.status == status_cls.RUNNING]
+            for request in running:
+                self.running.remove(request)
+                preempt_one(self, request)
+                count[0] += 1
+                if count[0] in (1, 10, 100) or count[0] % 1000 == 0:
+                    _say(f"preempt: {count[0]} preemption(s) so far")
+        return out
+
+    cls.update_from_output = update_from_output
 
 
 def _remote_kv(module: ModuleType, cls: Any) -> None:
