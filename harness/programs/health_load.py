@@ -58,6 +58,7 @@ from harness.payloads import chat_payload, make_png
 from harness.programs import incident
 from harness.programs.health import parse_metrics
 from harness.programs.matrix import plugin_commit
+from harness.programs.topologies.shapes import BY_NAME
 from harness.records import DocBlock, write_json
 from harness.server import Server, preload_env
 from harness.venvs import (
@@ -356,6 +357,41 @@ STALL_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "128")
 after every step never gets past its first chunk."""
 
 
+def phase_dp_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """DP=2, rank 1 blocked outside a step (before its DP sync) once it has work, rank 0
+    waiting for it in the collective; requests sent to both: 503 within the progress
+    timeout plus the margin; once rank 1 goes on, the requests complete and ``/health`` is
+    200 again."""
+    out: dict[str, Any] = {}
+    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
+    statuses: list[int | None] = []
+    with Poller(url, interval=0.5, timeout=5.0) as poller:
+        before = time.monotonic()
+        time.sleep(2.0)
+        trigger = inject.trigger(trigger_dir, inject.DP_STUCK)
+        started = time.monotonic()
+        requests = [
+            threading.Thread(target=lambda i=i: statuses.append(chat(url, 40 + i, 8)))
+            for i in range(4)
+        ]
+        for thread in requests:
+            thread.start()
+        bad = poller.wait_first(503, started, limit)
+        out["detected_s"] = round(bad.at - started, 2) if bad else None
+        out["metrics_while_stuck"] = _plugin_metrics(url)
+        trigger.unlink()
+        released = time.monotonic()
+        good = poller.wait_first(200, released, 30)
+        out["recovered_s"] = round(good.at - released, 2) if good else None
+        for thread in requests:
+            thread.join(300)
+        healthy = [p for p in poller.polls if before <= p.at < started]
+    out["statuses_before"] = sorted({str(p.status) for p in healthy})
+    out["requests"] = statuses
+    out["stuck_s"] = round(released - started, 1)
+    return out
+
+
 def phase_preempt(url: str, trigger_dir: Path) -> dict[str, Any]:
     """The preemption cascade: every running request preempted after each step (recomputed
     from 0, never past its first chunk) while the loop turns and every ping is answered:
@@ -634,6 +670,7 @@ def run_serve(
                 "livelock": lambda: phase_livelock(url, trigger_dir),
                 "abort_stuck": lambda: phase_abort_stuck(url, trigger_dir),
                 "preempt": lambda: phase_preempt(url, trigger_dir),
+                "dp_stuck": lambda: phase_dp_stuck(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()
@@ -781,6 +818,17 @@ def execute(key: str, wheel: Path, lock: ServerLock) -> Run:
         return run_serve(
             venv, variant, lock=lock, phases=("preempt",), case="stall", args=STALL_ARGS
         )
+    if case == "dpstall":
+        dp2 = BY_NAME["dp2"]
+        return run_serve(
+            venv,
+            variant,
+            lock=lock,
+            phases=("dp_stuck",),
+            case="dpstall",
+            args=dp2.args,
+            extra_env=dp2.env_for(version),
+        )
     raise ValueError(f"unknown case {case!r} in {key!r}")
 
 
@@ -910,15 +958,16 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
             out["incident_metric"] = failed >= 1
         else:
             out["incident_200_baseline"] = inc.get("statuses_after_freeze") == ["200"]
-    elif run.get("case") == "stall":
-        cascade = phases.get("preempt", {})
+    elif run.get("case") in ("stall", "dpstall"):
+        cascade = phases.get("preempt") or phases.get("dp_stuck") or {}
         detected = cascade.get("detected_s")
         out["preempt_200_before"] = cascade.get("statuses_before") == ["200"]
         out["preempt_503_in_time"] = detected is not None and detected <= (
             PROGRESS_TIMEOUT_S + DETECT_MARGIN_S
         )
         out["preempt_recovers"] = cascade.get("recovered_s") is not None
-        out["preempt_request_served"] = cascade.get("request") == 200
+        served = cascade.get("requests", [cascade.get("request")])
+        out["preempt_request_served"] = bool(served) and all(s == 200 for s in served)
         out["preempt_logged"] = scan.get("no_progress") == 1
         out["never_off"] = scan.get("check_off") == 0
     elif run.get("case") == "topology":
@@ -955,7 +1004,10 @@ def render_table(data: dict[str, Any]) -> str:
             if utility
             else "-"
         )
-        stuck = phases.get("stuck_step") or phases.get("incident") or phases.get("preempt") or {}
+        stuck: dict[str, Any] = next(
+            (phases[k] for k in ("stuck_step", "incident", "preempt", "dp_stuck") if k in phases),
+            {},
+        )
         if "detected_s" in stuck and stuck["detected_s"] is not None:
             stuck_text = f"{stuck['detected_s']:.1f} s"
         elif stuck:

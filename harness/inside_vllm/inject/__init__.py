@@ -23,7 +23,9 @@ chosen by environment variables (:func:`inject_env` writes them):
   while it exists; ``slow-grammar`` (seconds) makes each structured-output grammar take that
   much longer to compile; while ``remote-kv`` exists every waiting request is left in
   vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled; while ``preempt`` exists every
-  running request is preempted after each step (the preemption cascade).
+  running request is preempted after each step (the preemption cascade); while
+  ``dp-stuck`` exists DP rank 1 blocks before its DP sync (outside a step) once it has work,
+  and rank 0 then waits for it in the collective (a DP engine stuck outside a step).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -46,6 +48,7 @@ SLOW_STEPS = "slow-steps"
 SLOW_GRAMMAR = "slow-grammar"
 REMOTE_KV = "remote-kv"
 PREEMPT = "preempt"
+DP_STUCK = "dp-stuck"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""
 

@@ -46,6 +46,21 @@ def _engine_core(module: ModuleType) -> None:
 
         proc._process_engine_step = _process_engine_step
         _say(f"EngineCore steps: +{STEP_SLEEP:g} s, stuck-step trigger {TRIGGERS}")
+    dp = getattr(module, "DPEngineCoreProc", None)
+    if dp is not None and TRIGGERS is not None and hasattr(dp, "_has_global_unfinished_reqs"):
+        sync = dp._has_global_unfinished_reqs
+
+        def _has_global_unfinished_reqs(self: Any, *args: Any, **kwargs: Any) -> Any:
+            path = TRIGGERS / "dp-stuck"
+            if path.exists() and getattr(self, "dp_rank", None) == 1:
+                _say("DP rank 1 stuck before the DP sync until the trigger file goes")
+                end = time.monotonic() + STUCK_STEP_MAX_S
+                while path.exists() and time.monotonic() < end:
+                    time.sleep(0.1)
+                _say("DP rank 1 goes on")
+            return sync(self, *args, **kwargs)
+
+        dp._has_global_unfinished_reqs = _has_global_unfinished_reqs
     if core is not None and UTILITY_SLEEP:
         reset = core.reset_prefix_cache
 
