@@ -120,6 +120,8 @@ DEFAULT_PLAN: tuple[str, ...] = (
     "0.13.0 incident noplugin",
     "0.32.0 topology plugin-api2",
     "0.32.0 topology plugin-dp2",
+    "0.32.0 stall plugin",
+    "0.23.0 stall plugin",
 )
 """``"<vLLM> <case> <variant>"``: every run the committed results hold."""
 
@@ -352,9 +354,16 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
 
 PREEMPT_PROMPT_WORDS = 300
 """About 1,000 tokens: eight prefill chunks of :data:`STALL_ARGS`' 128 tokens."""
-STALL_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "128")
+STALL_ARGS = (
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "128",
+    "--no-enable-prefix-caching",
+)
 """The ``stall`` case's server: prefills chunked 128 tokens a step, so a request preempted
-after every step never gets past its first chunk."""
+after every step never gets past its first chunk (without prefix caching: with it, the
+freed blocks' hashes give a resumed request its earlier chunks back, and it progresses)."""
 
 
 def phase_dp_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:

@@ -169,42 +169,45 @@ def _scheduler(module: ModuleType) -> None:
 
 
 def _preempt(module: ModuleType, cls: Any) -> None:
-    """While ``preempt`` exists, after every step each running request is preempted as vLLM
-    preempts one when KV blocks run out (blocks freed, computed tokens back to 0, to the
-    front of the waiting queue): recomputed over and over, never past its mark (the
-    preemption cascade, vllm#49674)."""
+    """While ``preempt`` exists, each running request is preempted after every step with
+    vLLM's own ``_preempt_request`` (blocks freed, computed tokens back to 0, to the front
+    of the waiting queue), and the next step leaves it waiting, as vLLM leaves a request it
+    preempted in a step; the step after resumes it from 0. Recomputed over and over, never
+    past its first chunk (the preemption cascade, vllm#49674)."""
     update = getattr(cls, "update_from_output", None)
     status_cls: Any = getattr(sys.modules.get("vllm.v1.request"), "RequestStatus", None)
-    if update is None or status_cls is None:
+    if update is None or status_cls is None or not hasattr(cls, "_preempt_request"):
         return
+    schedule = cls.schedule
     count = [0]
-
-    def preempt_one(self: Any, request: Any) -> None:
-        own = getattr(self, "_preempt_request", None)
-        if own is not None:
-            own(request, time.monotonic())
-        else:  # vLLM 0.23: done inline in schedule()
-            self.kv_cache_manager.free(request)
-            self.encoder_cache_manager.free(request)
-            request.status = status_cls.PREEMPTED
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-        self.waiting.prepend_request(request)
+    held = [False]
 
     def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = update(self, *args, **kwargs)
         assert TRIGGERS is not None
         if (TRIGGERS / "preempt").exists():
-            running = [r for r in self.running if r.status == status_cls.RUNNING]
-            for request in running:
+            for request in [r for r in self.running if r.status == status_cls.RUNNING]:
                 self.running.remove(request)
-                preempt_one(self, request)
+                self._preempt_request(request, time.monotonic())
+                held[0] = True
                 count[0] += 1
                 if count[0] in (1, 10, 100) or count[0] % 1000 == 0:
                     _say(f"preempt: {count[0]} preemption(s) so far")
         return out
 
+    def schedule_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not held[0]:
+            return schedule(self, *args, **kwargs)
+        held[0] = False
+        waiting = self.waiting
+        self.waiting = type(waiting)()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            self.waiting = waiting
+
     cls.update_from_output = update_from_output
+    cls.schedule = schedule_wrapper
 
 
 def _remote_kv(module: ModuleType, cls: Any) -> None:
