@@ -122,6 +122,7 @@ DEFAULT_PLAN: tuple[str, ...] = (
     "0.32.0 topology plugin-dp2",
     "0.32.0 stall plugin",
     "0.23.0 stall plugin",
+    "0.32.0 dpstall plugin",
 )
 """``"<vLLM> <case> <variant>"``: every run the committed results hold."""
 
@@ -367,10 +368,11 @@ freed blocks' hashes give a resumed request its earlier chunks back, and it prog
 
 
 def phase_dp_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
-    """DP=2, rank 1 blocked outside a step (before its DP sync) once it has work, rank 0
-    waiting for it in the collective; requests sent to both: 503 within the progress
-    timeout plus the margin; once rank 1 goes on, the requests complete and ``/health`` is
-    200 again."""
+    """DP=2, EngineCore of rank 1 blocked in its busy loop outside a step once it has taken
+    requests (vLLM 0.32 runs the DP ranks of a dense model independently: there is no DP
+    all-reduce to wait in; a MoE rank waits there, outside a step, the same way); requests
+    sent to both ranks: 503 within the progress timeout plus the margin; once rank 1 goes
+    on, the requests complete and ``/health`` is 200 again."""
     out: dict[str, Any] = {}
     limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
     statuses: list[int | None] = []

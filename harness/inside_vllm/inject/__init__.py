@@ -24,8 +24,8 @@ chosen by environment variables (:func:`inject_env` writes them):
   much longer to compile; while ``remote-kv`` exists every waiting request is left in
   vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled; while ``preempt`` exists every
   running request is preempted after each step (the preemption cascade); while
-  ``dp-stuck`` exists DP rank 1 blocks before its DP sync (outside a step) once it has work,
-  and rank 0 then waits for it in the collective (a DP engine stuck outside a step).
+  ``dp-stuck`` exists EngineCore of DP rank 1, once it has taken requests, blocks in its busy
+  loop outside a step (where a MoE DP rank waits on its peers in the DP all-reduce).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """

@@ -46,21 +46,25 @@ def _engine_core(module: ModuleType) -> None:
 
         proc._process_engine_step = _process_engine_step
         _say(f"EngineCore steps: +{STEP_SLEEP:g} s, stuck-step trigger {TRIGGERS}")
-    dp = getattr(module, "DPEngineCoreProc", None)
-    if dp is not None and TRIGGERS is not None and hasattr(dp, "_has_global_unfinished_reqs"):
-        sync = dp._has_global_unfinished_reqs
+    if proc is not None and TRIGGERS is not None:
+        take = proc._process_input_queue
 
-        def _has_global_unfinished_reqs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = take(self, *args, **kwargs)
             path = TRIGGERS / "dp-stuck"
-            if path.exists() and getattr(self, "dp_rank", None) == 1:
-                _say("DP rank 1 stuck before the DP sync until the trigger file goes")
+            if (
+                path.exists()
+                and getattr(self, "engine_index", 0) == 1
+                and self.scheduler.has_requests()
+            ):
+                _say("DP rank 1 blocked outside a step with requests taken, until the file goes")
                 end = time.monotonic() + STUCK_STEP_MAX_S
                 while path.exists() and time.monotonic() < end:
                     time.sleep(0.1)
                 _say("DP rank 1 goes on")
-            return sync(self, *args, **kwargs)
+            return out
 
-        dp._has_global_unfinished_reqs = _has_global_unfinished_reqs
+        proc._process_input_queue = _process_input_queue
     if core is not None and UTILITY_SLEEP:
         reset = core.reset_prefix_cache
 
