@@ -59,11 +59,13 @@ from harness.payloads import chat_payload
 from harness.programs.health_load import Poller
 from harness.programs.matrix import plugin_commit
 from harness.programs.topologies.shapes import BY_NAME
-from harness.records import load_record, write_json
+from harness.records import DocBlock, load_record, write_json
 from harness.venvs import build_wheel, complete_venv, set_plugin
 from vllm_mmcache_fix.core.settings import ENV_PROGRESS_TIMEOUT
 
 RESULTS = REPO_ROOT / "compat" / "false-verdicts.json"
+DOC = REPO_ROOT / "docs" / "health.md"
+BLOCK = DocBlock("false-verdicts")
 SCHEMA = 1
 PROGRESS_TIMEOUT_S = 30
 """The setting's floor: the strictest the check can be."""
@@ -229,14 +231,18 @@ def case_pause(ctx: Ctx) -> dict[str, Any]:
 
 
 def case_long_utility(ctx: Ctx) -> dict[str, Any]:
+    trigger = inject.trigger(ctx.triggers, inject.SLOW_UTILITY, str(ctx.s(UTILITY_S)))
     calls = Background()
     started = time.monotonic()
-    calls.start(lambda: http_post(ctx.url + "/reset_prefix_cache", {}, UTILITY_S + 300))
-    time.sleep(2.0)
-    waiting = Background()
-    waiting.start(lambda: chat(ctx.url, "Behind the utility call.", max_tokens=4))
-    utility = statuses(calls.join(UTILITY_S + 300))
-    took = time.monotonic() - started
+    try:
+        calls.start(lambda: http_post(ctx.url + "/reset_prefix_cache", {}, UTILITY_S + 300))
+        time.sleep(2.0)
+        waiting = Background()
+        waiting.start(lambda: chat(ctx.url, "Behind the utility call.", max_tokens=4))
+        utility = statuses(calls.join(UTILITY_S + 300))
+        took = time.monotonic() - started
+    finally:
+        trigger.unlink()
     behind = statuses(waiting.join(300))
     return {
         "ok": utility == [200] and behind == [200] and took >= ctx.s(UTILITY_S),
@@ -336,7 +342,6 @@ def run_group(
     triggers = Path(tempfile.mkdtemp(prefix="false-verdicts-"))
     env = inject.inject_env(
         {**shape.env_for(version), ENV_PROGRESS_TIMEOUT: str(PROGRESS_TIMEOUT_S)},
-        utility_sleep_s=Ctx("", triggers, scale).s(UTILITY_S),
         trigger_dir=triggers,
     )
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -387,6 +392,44 @@ def run_group(
         session.stop()
 
 
+WHAT = {
+    "chunked_prefill": "a ~2,900-token prompt prefilled 128 tokens a step, each step +4 s",
+    "slow_grammar": "a JSON-schema request whose grammar takes 90 s to compile",
+    "remote_kv": "2 requests held 90 s in WAITING_FOR_REMOTE_KVS",
+    "pause": "/pause?mode=keep for 90 s with 2 requests queued, then /resume",
+    "long_utility": "a 200 s utility call (/reset_prefix_cache) with a request behind it",
+    "saturated": "8 clients, ~2,900-token prompts, --max-num-seqs 4, 10 min",
+    "idle": "no request for 30 min",
+    "api2": "--api-server-count 2, 4 clients for 3 min",
+    "dp2": "--data-parallel-size 2, 4 clients for 3 min",
+}
+
+
+def render_table(data: dict[str, Any]) -> str:
+    rows = [
+        "| release | case | what | length | `/health` polls | non-200 | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cases = data.get("cases", {})
+    for key in sorted(
+        cases, key=lambda k: (k.partition("/")[0], list(CASES).index(k.partition("/")[2]))
+    ):
+        rec = cases[key]
+        version, _, name = key.partition("/")
+        smoke = f" (scale {rec.get('scale')})" if rec.get("scale") != 1.0 else ""
+        rows.append(
+            f"| {version} | {name} | {WHAT[name]} | {rec.get('seconds', '-')} s "
+            f"| {rec.get('polls', '-')} | {rec.get('non_200', '-')} "
+            f"| {rec.get('status', '-')}{smoke} |"
+        )
+    for name, why in data.get("not_on_cpu", {}).items():
+        rows.append(f"| - | {name} | - | - | - | - | not run: {why} |")
+    return "\n".join(rows)
+
+
+doc_block = BLOCK.find
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/false-verdicts", description=__doc__)
     ap.add_argument("cases", nargs="*", default=list(DEFAULT), help="<release>/<case>")
@@ -395,9 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--plugin-wheel", type=Path, default=None)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--doc", action="store_true", help="rewrite the table in docs/health.md")
     args = ap.parse_args(argv)
     data = load_record(args.out, SCHEMA, "cases")
     data["not_on_cpu"] = NOT_ON_CPU
+    if args.doc:
+        BLOCK.rewrite(DOC, render_table(data))
+        return 0
     commit = plugin_commit()
     for key in args.cases:
         version, _, name = key.partition("/")

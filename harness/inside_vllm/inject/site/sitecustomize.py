@@ -65,12 +65,14 @@ def _engine_core(module: ModuleType) -> None:
             return out
 
         proc._process_input_queue = _process_input_queue
-    if core is not None and UTILITY_SLEEP:
+    if core is not None and (UTILITY_SLEEP or TRIGGERS is not None):
         reset = core.reset_prefix_cache
 
         def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _say(f"reset_prefix_cache sleeps {UTILITY_SLEEP:g} s")
-            time.sleep(UTILITY_SLEEP)
+            seconds = UTILITY_SLEEP or _trigger_seconds("slow-utility")
+            if seconds:
+                _say(f"reset_prefix_cache sleeps {seconds:g} s")
+                time.sleep(seconds)
             return reset(self, *args, **kwargs)
 
         core.reset_prefix_cache = reset_prefix_cache
