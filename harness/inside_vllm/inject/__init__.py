@@ -23,8 +23,9 @@ chosen by environment variables (:func:`inject_env` writes them):
   while it exists; ``slow-grammar`` (seconds) makes each structured-output grammar take that
   much longer to compile; ``slow-utility`` (seconds) does to ``reset_prefix_cache`` what
   ``utility_sleep_s`` does, only while it exists; while ``remote-kv`` exists every waiting
-  request is left in vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled; while ``preempt`` exists every
-  running request is preempted after each step (the preemption cascade); while
+  request is left in vLLM's ``WAITING_FOR_REMOTE_KVS`` state, unscheduled; while
+  ``preempt`` exists every running request is preempted after each step (the preemption
+  cascade); while
   ``dp-stuck`` exists EngineCore of DP rank 1, once it has taken requests, blocks in its busy
   loop outside a step (where a MoE DP rank waits on its peers in the DP all-reduce).
 
