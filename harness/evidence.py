@@ -37,10 +37,12 @@ PROVES: dict[str, tuple[str, ...]] = {
     "topologies.json": ("vllm_mmcache_fix",),
     "health-load.json": ("vllm_mmcache_fix/engine_liveness", "vllm_mmcache_fix/stall_sentinel"),
     "pooling_memory.json": ("vllm_mmcache_fix/drift_guard",),
+    "false-verdicts.json": ("vllm_mmcache_fix/engine_liveness",),
 }
 """The code each file's records prove: the release matrix the eviction fix and the drift
 guard; the deployment shapes the whole plugin (it loads in every process); health-load
-``/health`` and the stall sentinel; the pooling memory run the drift guard's records."""
+``/health`` and the stall sentinel; the pooling memory run the drift guard's records; the
+false-verdict matrix the liveness check."""
 
 MAX_AGE_DAYS = 7
 """How much older than the last change to the code it proves a release's newest record
@@ -96,6 +98,15 @@ def records(compat: Path = COMPAT) -> Iterator[Record]:
             key.split()[0],
             run.get("plugin_commit"),
             _date(run.get("date") or run.get("finished_at")),
+        )
+    verdicts = json.loads((compat / "false-verdicts.json").read_text())
+    for key, rec in verdicts["cases"].items():
+        yield Record(
+            "false-verdicts.json",
+            key,
+            key.split("/")[0],
+            rec.get("plugin_commit"),
+            _date(rec.get("when")),
         )
     pooling = json.loads((compat / "pooling_memory.json").read_text())
     for key, entry in pooling.items():
