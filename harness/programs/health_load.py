@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import tempfile
@@ -325,20 +326,29 @@ def phase_drop(url: str, trigger_dir: Path, seconds: float = DROP_S) -> dict[str
     return out
 
 
-def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
-    """The scheduler schedules nothing while a request waits (the zero-token livelock: the
-    busy loop turns, every ping is answered): 503 within the progress timeout plus the
-    margin after the request; once the scheduler serves again, the request completes and
-    ``/health`` is 200 again."""
+def _injected_stall(
+    url: str,
+    trigger_dir: Path,
+    name: str,
+    calls: list[Callable[[], Any]],
+    join_s: float,
+    length_key: str,
+) -> tuple[dict[str, Any], list[Any]]:
+    """A stall made by the trigger file ``name`` while ``calls`` (requests) run in threads:
+    the first 503 after it starts (within the progress timeout plus the margin, or never),
+    the plugin's metrics meanwhile, and the first 200 after the file goes. Returns the
+    figures (the stall's length under ``length_key``) and the calls' results as they came."""
     out: dict[str, Any] = {}
+    results: list[Any] = []
     limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
     with Poller(url, interval=0.5, timeout=5.0) as poller:
         before = time.monotonic()
         time.sleep(2.0)
-        trigger = inject.trigger(trigger_dir, inject.LIVELOCK)
+        trigger = inject.trigger(trigger_dir, name)
         started = time.monotonic()
-        request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 3, 2)))
-        request.start()
+        threads = [threading.Thread(target=lambda c=c: results.append(c())) for c in calls]
+        for thread in threads:
+            thread.start()
         bad = poller.wait_first(503, started, limit)
         out["detected_s"] = round(bad.at - started, 2) if bad else None
         out["metrics_while_stuck"] = _plugin_metrics(url)
@@ -346,10 +356,24 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
         released = time.monotonic()
         good = poller.wait_first(200, released, 30)
         out["recovered_s"] = round(good.at - released, 2) if good else None
-        request.join(120)
+        for thread in threads:
+            thread.join(join_s)
         healthy = [p for p in poller.polls if before <= p.at < started]
     out["statuses_before"] = sorted({str(p.status) for p in healthy})
-    out["livelock_s"] = round(released - started, 1)
+    out[length_key] = round(released - started, 1)
+    return out, results
+
+
+def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """The scheduler schedules nothing while a request waits (the zero-token livelock: the
+    busy loop turns, every ping is answered): 503 within the progress timeout plus the
+    margin after the request; once the scheduler serves again, the request completes and
+    ``/health`` is 200 again."""
+    out, got = _injected_stall(
+        url, trigger_dir, inject.LIVELOCK, [lambda: chat(url, 3, 2)], 120, "livelock_s"
+    )
+    if got:
+        out["request"] = got[0]
     return out
 
 
@@ -373,33 +397,9 @@ def phase_dp_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
     all-reduce to wait in; a MoE rank waits there, outside a step, the same way); requests
     sent to both ranks: 503 within the progress timeout plus the margin; once rank 1 goes
     on, the requests complete and ``/health`` is 200 again."""
-    out: dict[str, Any] = {}
-    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
-    statuses: list[int | None] = []
-    with Poller(url, interval=0.5, timeout=5.0) as poller:
-        before = time.monotonic()
-        time.sleep(2.0)
-        trigger = inject.trigger(trigger_dir, inject.DP_STUCK)
-        started = time.monotonic()
-        requests = [
-            threading.Thread(target=lambda i=i: statuses.append(chat(url, 40 + i, 8)))
-            for i in range(4)
-        ]
-        for thread in requests:
-            thread.start()
-        bad = poller.wait_first(503, started, limit)
-        out["detected_s"] = round(bad.at - started, 2) if bad else None
-        out["metrics_while_stuck"] = _plugin_metrics(url)
-        trigger.unlink()
-        released = time.monotonic()
-        good = poller.wait_first(200, released, 30)
-        out["recovered_s"] = round(good.at - released, 2) if good else None
-        for thread in requests:
-            thread.join(300)
-        healthy = [p for p in poller.polls if before <= p.at < started]
-    out["statuses_before"] = sorted({str(p.status) for p in healthy})
-    out["requests"] = statuses
-    out["stuck_s"] = round(released - started, 1)
+    calls: list[Callable[[], Any]] = [functools.partial(chat, url, 40 + i, 8) for i in range(4)]
+    out, got = _injected_stall(url, trigger_dir, inject.DP_STUCK, calls, 300, "stuck_s")
+    out["requests"] = got
     return out
 
 
@@ -408,33 +408,16 @@ def phase_preempt(url: str, trigger_dir: Path) -> dict[str, Any]:
     from 0, never past its first chunk) while the loop turns and every ping is answered:
     503 within the progress timeout plus the margin; once preemption stops, the request
     completes and ``/health`` is 200 again."""
-    out: dict[str, Any] = {}
-    limit = PROGRESS_TIMEOUT_S + DETECT_MARGIN_S + 10.0
     colours = ("red", "cat", "sun", "tree", "blue")
     words = " ".join(colours[i % 5] for i in range(PREEMPT_PROMPT_WORDS))
     payload = chat_payload(words, None, 2)
-    with Poller(url, interval=0.5, timeout=5.0) as poller:
-        before = time.monotonic()
-        time.sleep(2.0)
-        trigger = inject.trigger(trigger_dir, inject.PREEMPT)
-        started = time.monotonic()
 
-        def send() -> None:
-            out["request"] = http_post(url + "/v1/chat/completions", payload, 300).status
+    def send() -> int | None:
+        return http_post(url + "/v1/chat/completions", payload, 300).status
 
-        request = threading.Thread(target=send)
-        request.start()
-        bad = poller.wait_first(503, started, limit)
-        out["detected_s"] = round(bad.at - started, 2) if bad else None
-        out["metrics_while_stuck"] = _plugin_metrics(url)
-        trigger.unlink()
-        released = time.monotonic()
-        good = poller.wait_first(200, released, 30)
-        out["recovered_s"] = round(good.at - released, 2) if good else None
-        request.join(300)
-        healthy = [p for p in poller.polls if before <= p.at < started]
-    out["statuses_before"] = sorted({str(p.status) for p in healthy})
-    out["preempting_s"] = round(released - started, 1)
+    out, got = _injected_stall(url, trigger_dir, inject.PREEMPT, [send], 300, "preempting_s")
+    if got:
+        out["request"] = got[0]
     return out
 
 

@@ -145,6 +145,21 @@ def _core_client(module: ModuleType) -> None:
     module._process_utility_output = _process_utility_output  # type: ignore[attr-defined]
 
 
+def _schedule_hiding(
+    self: Any, schedule: Callable[..., Any], args: Any, kwargs: Any, *, running: bool = False
+) -> Any:
+    """vLLM's ``schedule`` run with the waiting queue (and, with ``running``, the running
+    list) made empty for the call: it schedules none of them, and they are back after."""
+    held_running, held_waiting = self.running, self.waiting
+    self.waiting = type(held_waiting)()
+    if running:
+        self.running = []
+    try:
+        return schedule(self, *args, **kwargs)
+    finally:
+        self.running, self.waiting = held_running, held_waiting
+
+
 def _scheduler(module: ModuleType) -> None:
     """While ``livelock`` exists, the scheduler schedules nothing (it sees no running and no
     waiting request), as when it cannot fit a request: the busy loop keeps turning with empty
@@ -162,12 +177,7 @@ def _scheduler(module: ModuleType) -> None:
         if not said[0]:
             said[0] = True
             _say("livelock: the scheduler schedules nothing until the trigger file goes")
-        running, waiting = self.running, self.waiting
-        self.running, self.waiting = [], type(waiting)()
-        try:
-            return schedule(self, *args, **kwargs)
-        finally:
-            self.running, self.waiting = running, waiting
+        return _schedule_hiding(self, schedule, args, kwargs, running=True)
 
     cls.schedule = schedule_wrapper
     _remote_kv(module, cls)
@@ -205,12 +215,7 @@ def _preempt(module: ModuleType, cls: Any) -> None:
         if not held[0]:
             return schedule(self, *args, **kwargs)
         held[0] = False
-        waiting = self.waiting
-        self.waiting = type(waiting)()
-        try:
-            return schedule(self, *args, **kwargs)
-        finally:
-            self.waiting = waiting
+        return _schedule_hiding(self, schedule, args, kwargs)
 
     cls.update_from_output = update_from_output
     cls.schedule = schedule_wrapper
@@ -243,12 +248,7 @@ def _remote_kv(module: ModuleType, cls: Any) -> None:
                 request.status = remote
                 parked[request.request_id] = request
                 _say(f"remote-kv: request {request.request_id} waits for remote KV")
-        waiting = self.waiting
-        self.waiting = type(waiting)()
-        try:
-            return schedule(self, *args, **kwargs)
-        finally:
-            self.waiting = waiting
+        return _schedule_hiding(self, schedule, args, kwargs)
 
     cls.schedule = schedule_wrapper
 
