@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 from collections.abc import Sequence
 from typing import TypeVar
 
-from harness.paths import REPO_ROOT
+from harness import commits
 
 T = TypeVar("T")
 KEY_ENV = "MMCACHE_FIX_ROTATE_KEY"
@@ -21,22 +20,10 @@ SOAKS = ("sequential", "concurrent")
 """The soaks of tests/soak (one per commit in CI)."""
 
 
-def head_commit() -> str:
-    """This checkout's commit (empty outside git)."""
-    res = subprocess.run(
-        ["git", "rev-parse", "HEAD"],
-        cwd=str(REPO_ROOT),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return res.stdout.strip()
-
-
 def rotate(pool: Sequence[T], n: int = 1, key: str | None = None) -> list[T]:
     """``n`` distinct entries of ``pool`` chosen by ``key`` (default: this commit)."""
     if key is None:
-        key = os.environ.get(KEY_ENV) or head_commit()
+        key = os.environ.get(KEY_ENV) or commits.head()
     seed = int(hashlib.sha256(key.encode()).hexdigest(), 16)
     left = list(pool)
     chosen: list[T] = []

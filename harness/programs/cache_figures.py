@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "--again", action="store_true", help="measure releases already measured on this commit"
     )
     args = parser.parse_args(argv)
-    from harness.programs.matrix import plugin_commit
+    from harness import commits
 
-    commit = plugin_commit()
+    commit = commits.package()
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for version in args.versions:
         if not args.again and data.get(version, {}).get("plugin_commit") == commit:

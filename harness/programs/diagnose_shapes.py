@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import runner
+from harness import commits, runner
 from harness.http import http_post
 from harness.paths import REPO_ROOT
 from harness.payloads import chat_payload, make_png
@@ -48,21 +48,6 @@ servers on two cores (over 240 s on a busy machine)."""
 def _log(msg: str) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
     print(f"[diagnose-shapes {stamp}] {msg}", file=sys.stderr, flush=True)
-
-
-def plugin_commit() -> str:
-    """The checkout's commit, ``+dirty`` when the package has uncommitted changes."""
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "vllm_mmcache_fix"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 TOOL_ROOT = REPO_ROOT
@@ -212,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "export, to compare); its results are keyed by that directory's name",
     )
     args = parser.parse_args(argv)
-    commit = plugin_commit()
+    commit = commits.stamp()
     if args.tool_root is not None:
         global TOOL_ROOT
         TOOL_ROOT = args.tool_root.resolve()

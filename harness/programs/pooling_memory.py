@@ -21,18 +21,16 @@ import argparse
 import datetime
 import functools
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import procs, tiny_models
+from harness import commits, procs, tiny_models
 from harness.http import http_post
 from harness.lock import ServerLock
 from harness.logscan import plugin_lines
-from harness.paths import REPO_ROOT
 from harness.paths import log_path as new_log_path
 from harness.payloads import image_part, make_png
 from harness.records import write_json
@@ -151,16 +149,6 @@ def run_state(
     return run
 
 
-def plugin_commit() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return out.stdout.strip() or "?"
-
-
 def load(path: Path | None) -> dict[str, Any]:
     if path is None or not path.exists():
         return {}
@@ -192,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     venv = venv_dir(args.version)
-    commit = plugin_commit()
+    commit = commits.package()
     data = load(args.json)
     key = f"{args.version}/{args.requests}"
     entry = data.setdefault(key, {})

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import commits
 from harness.paths import REPO_ROOT
-from harness.programs.matrix import plugin_commit
 from harness.programs.topologies import cli, record
 from harness.programs.topologies.shapes import CI_FORK_SHAPE, REPEAT_VERSION, STUCK_VERSION, shape
 from harness.venvs import e2e_versions
@@ -63,7 +63,7 @@ def _explain(run: dict) -> str:
 def test_the_rotating_shape_passes_with_the_plugin(tmp_path: Path) -> None:
     if REPEAT_VERSION not in e2e_versions():
         pytest.skip(f"{REPEAT_VERSION} not in MMCACHE_FIX_E2E_VERSIONS")
-    chosen = cli.rotating(1, plugin_commit(), record.load(), REPEAT_VERSION)
+    chosen = cli.rotating(1, commits.package(), record.load(), REPEAT_VERSION)
     assert chosen, "no shape passes on 0.32.0 in compat/topologies.json"
     runs = _topologies(tmp_path, "--rotate", "1", "--versions", REPEAT_VERSION)
     assert [r["shape"] for r in runs] == chosen

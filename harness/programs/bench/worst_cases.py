@@ -10,7 +10,7 @@ entries the repair looked at or touched (the count the tests check for linearity
 
 Usage::
 
-    scripts/worst-cases                 # vLLM 0.33.0, N = 1e3 .. 1e5
+    scripts/worst-cases                 # the newest release checked, N = 1e3 .. 1e5
     scripts/worst-cases --vllm 0.23.0 --sizes 1000 100000
 """
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED
 from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 
 SIZES = (1_000, 3_000, 10_000, 30_000, 100_000)
@@ -141,7 +142,7 @@ def orphan_wall(cls: type, n: int, counting: bool = False) -> Measurement:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm", default="0.33.0")
+    parser.add_argument("--vllm", default=NEWEST_SOURCES_CHECKED)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     args = parser.parse_args(argv)
     cls = fixed_class(args.vllm)

@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print("docs/topologies.md table " + ("rewritten" if changed else "unchanged"))
         return 0
 
-    from harness import lock, tiny_models
-    from harness.programs.matrix import plugin_commit, plugin_tree_dirty
+    from harness import commits, lock, tiny_models
 
     # Many short cases, each taking the lock anew, compete with holders that give it back
     # and take it again within milliseconds: look more often than every half second.
@@ -145,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.programs.topologies.run import _log, run_shape
     from harness.venvs import build_wheel, complete_venv
 
-    commit = plugin_commit()
-    if plugin_tree_dirty():
+    commit = commits.package()
+    if commits.package_dirty():
         _log("vllm_mmcache_fix has uncommitted changes: records name the last commit")
     versions = list(args.versions or VERSIONS)
     if args.rotate:
