@@ -1,7 +1,7 @@
 """``python -m harness COMMAND [ARGS]``: one of the harness's programs, by command name.
 
 The commands in ``scripts/`` run this from the repository root (which ``-m`` puts on
-``sys.path``) after noting the caller's directory in ``$MMCACHE_FIX_CALLER_CWD``; the
+``sys.path``) after noting the caller's directory in ``$MMCACHE_HARNESS_CALLER_CWD``; the
 program then runs in that directory, so relative paths in its arguments mean what the
 caller meant.
 """
@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-CALLER_CWD_ENV = "MMCACHE_FIX_CALLER_CWD"
+CALLER_CWD_ENV = "MMCACHE_HARNESS_CALLER_CWD"
 
 COMMANDS: dict[str, str] = {
     "make-venv": "harness.venvs",

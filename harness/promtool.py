@@ -1,7 +1,7 @@
 """Where the tests find ``promtool`` (Prometheus' rule checker).
 
 ``scripts/run-tests`` unpacks it from Debian's ``prometheus`` package into the cache root
-(``apt-get download``, no install, no service); ``MMCACHE_FIX_PROMTOOL`` or a ``promtool``
+(``apt-get download``, no install, no service); ``MMCACHE_HARNESS_PROMTOOL`` or a ``promtool``
 on ``PATH`` take precedence.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.realsrc import cache_root
 
-ENV = "MMCACHE_FIX_PROMTOOL"
+ENV = "MMCACHE_HARNESS_PROMTOOL"
 
 
 def unpacked() -> Path:

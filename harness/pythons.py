@@ -192,7 +192,7 @@ def run_unit(
         pytest_args = pytest_args[:at] + pytest_args[at + 2 :]
     env = dict(os.environ)
     if outcomes is not None:
-        env["MMCACHE_FIX_OUTCOMES"] = str(outcomes)
+        env["MMCACHE_HARNESS_OUTCOMES"] = str(outcomes)
     proc = subprocess.Popen(
         [str(venv / "bin" / "python"), "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider"]
         + pytest_args,

@@ -3,7 +3,7 @@
 Pure standard library (plus ``cachetools`` for the loaded classes). Nothing here imports vLLM.
 
 * :func:`source_root` - directory with the extracted files of one release (fetched on demand
-  through :mod:`harness.sources` unless ``MMCACHE_FIX_OFFLINE=1``).
+  through :mod:`harness.sources` unless ``MMCACHE_HARNESS_OFFLINE=1``).
 * :func:`load_lru_module` - a module object holding the release's real ``LRUCache`` class
   (and ``CacheInfo``, ``ALL_PINNED_SENTINEL``, ...), executed from the release's own source.
 * :func:`run_snippet` - run Python code in a subprocess against a specific cachetools release.
@@ -27,7 +27,7 @@ from types import ModuleType
 from harness import sources
 from harness.paths import REPO_ROOT
 
-OFFLINE_ENV = "MMCACHE_FIX_OFFLINE"
+OFFLINE_ENV = "MMCACHE_HARNESS_OFFLINE"
 
 LRU_IN_UTILS_INIT = "vllm/utils/__init__.py"
 LRU_IN_UTILS_CACHE = "vllm/utils/cache.py"

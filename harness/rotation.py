@@ -2,7 +2,7 @@
 
 CI runs one (or ``n``) of a long list of real-server cases per commit, chosen from the
 commit's hash, so successive commits walk the list; the whole list runs in its own
-resumable program. ``$MMCACHE_FIX_ROTATE_KEY`` overrides the key (to rerun one choice).
+resumable program. ``$MMCACHE_HARNESS_ROTATE_KEY`` overrides the key (to rerun one choice).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TypeVar
 from harness import commits
 
 T = TypeVar("T")
-KEY_ENV = "MMCACHE_FIX_ROTATE_KEY"
+KEY_ENV = "MMCACHE_HARNESS_ROTATE_KEY"
 SOAKS = ("sequential", "concurrent")
 """The soaks of tests/soak (one per commit in CI)."""
 
@@ -55,12 +55,12 @@ def this_turn(pool: Sequence[str], env: str) -> list[str]:
     return wanted or rotate(pool)
 
 
-ROTATE_ENV = "MMCACHE_FIX_ROTATE"
+ROTATE_ENV = "MMCACHE_HARNESS_ROTATE"
 
 
 def per_commit(pool: Sequence[T]) -> list[T]:
     """One case of ``pool`` per commit (:func:`rotate`); every case with
-    ``MMCACHE_FIX_ROTATE=off``."""
+    ``MMCACHE_HARNESS_ROTATE=off``."""
     if os.environ.get(ROTATE_ENV, "").strip().lower() in ("off", "0", "no"):
         return list(pool)
     return rotate(pool)

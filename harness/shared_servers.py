@@ -63,7 +63,7 @@ class SharedServers:
 
     def __call__(self, version: str, kind: str) -> runner.Session:
         if version not in e2e_versions():
-            pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+            pytest.skip(f"{version} not in MMCACHE_HARNESS_E2E_VERSIONS")
         if self.key == (version, kind) and self.session is not None and self.session.running:
             return self.session
         self.close()
@@ -176,7 +176,7 @@ def watched_replay(
     with_diagnosis: bool = False,
 ) -> WatchedReplay:
     if FREEZE_VERSION not in e2e_versions():
-        pytest.skip(f"{FREEZE_VERSION} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{FREEZE_VERSION} not in MMCACHE_HARNESS_E2E_VERSIONS")
     servers.close()
     venv = complete_venv(FREEZE_VERSION)
     port = free_port()

@@ -1,6 +1,6 @@
 """Skip accounting: no tier can vanish as skips.
 
-``scripts/run-tests`` runs each tier with ``$MMCACHE_FIX_OUTCOMES`` set (the pytest plugin
+``scripts/run-tests`` runs each tier with ``$MMCACHE_HARNESS_OUTCOMES`` set (the pytest plugin
 :mod:`harness.outcomes` writes every test's outcome there) and then::
 
     python -m harness skip-check --lane main --tiers unit OUTCOMES.json
@@ -155,7 +155,7 @@ def compact(lines: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outcomes", type=Path, help="the file $MMCACHE_FIX_OUTCOMES named")
+    ap.add_argument("outcomes", type=Path, help="the file $MMCACHE_HARNESS_OUTCOMES named")
     ap.add_argument("--tiers", nargs="+", required=True)
     ap.add_argument("--lane", default="main", help="main, or pyX.Y for the other Pythons")
     ap.add_argument("--expected", type=Path, default=EXPECTED_FILE)

@@ -3,7 +3,7 @@
 For every requested vLLM release the wheel is downloaded with ``pip download --no-deps``,
 only the files that matter for the multimodal processor cache are extracted into::
 
-    ${MMCACHE_FIX_CACHE:-~/.cache/vllm-mmcache-fix}/sources/vllm-X/vllm/...
+    ${MMCACHE_HARNESS_CACHE:-~/.cache/vllm-mmcache-fix}/sources/vllm-X/vllm/...
 
 and a ``COMPLETE`` marker (JSON: wheel filename, sha256, extracted files) is written. The
 wheel itself is deleted afterwards. cachetools wheels are pure Python and are extracted
@@ -18,7 +18,7 @@ Usage::
     scripts/fetch-sources --cachetools 5.5.2 --no-vllm
 
 The tests reach these files through :mod:`harness.realsrc`, which fetches what is
-missing unless ``$MMCACHE_FIX_OFFLINE`` is set.
+missing unless ``$MMCACHE_HARNESS_OFFLINE`` is set.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ LISTED_VLLM_VERSIONS: tuple[str, ...] = (
 """Every vLLM release the project knows: the one place a new release is added (its
 realsrc tests, the release matrix and the newest-release checks follow from it)."""
 
-EXTRA_RELEASES_ENV = "MMCACHE_FIX_EXTRA_RELEASES"
+EXTRA_RELEASES_ENV = "MMCACHE_HARNESS_EXTRA_RELEASES"
 """Comma-separated releases added after ``VLLM_VERSIONS`` for one run (``scripts/new-release``
 sets it to run the realsrc tier on a release this list does not name yet)."""
 

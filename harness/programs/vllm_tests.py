@@ -77,7 +77,7 @@ EXTRA_MODES: tuple[str, ...] = ("fixed-lru",)
 TESTS_MARKER = ".mmcache-fix-vllm-tests.json"
 TESTS_MARKER_SCHEMA = 1
 TOOLS_MARKER = ".mmcache-fix-sdist-tools.json"
-CONFIG_ENV = "MMCACHE_FIX_VLLM_TESTS_CONFIG"
+CONFIG_ENV = "MMCACHE_HARNESS_VLLM_TESTS_CONFIG"
 PLUGIN_MODULE = "harness.inside_vllm.vllm_tests_plugin"
 
 # Test files, by group: the first path present in a release is used; a regex

@@ -32,7 +32,7 @@ from harness.paths import REPO_ROOT
 from harness.venvs import python
 
 VERSIONS = ("0.23.0", "0.32.0")
-SECONDS = float(os.environ.get("MMCACHE_FIX_CONCURRENCY_SECONDS", "8"))
+SECONDS = float(os.environ.get("MMCACHE_HARNESS_CONCURRENCY_SECONDS", "8"))
 PROGRAM = Path(__file__).with_name("drift_threads.py")
 
 

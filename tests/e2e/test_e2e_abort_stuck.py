@@ -53,7 +53,7 @@ def test_the_stuck_request_is_aborted_and_the_engine_serves_on(
     runs: dict[str, dict[str, Any]], version: str
 ) -> None:
     if version not in e2e_versions():
-        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{version} not in MMCACHE_HARNESS_E2E_VERSIONS")
     run = runs[version]
     assert run["started"] and not run["error"], run
     phase = run["phases"]["abort_stuck"]

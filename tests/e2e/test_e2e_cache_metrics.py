@@ -41,7 +41,7 @@ MISSES = {"image": 17, "video": 3}
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sender_and_receiver_caches_on_metrics(version: str, shared_server: SharedServers) -> None:
     if version not in e2e_versions():
-        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{version} not in MMCACHE_HARNESS_E2E_VERSIONS")
     session = shared_server(version, "plugin")
     before = counters(settled(session.base_url))
     for modality, index in workload(shared_server.new_items()):

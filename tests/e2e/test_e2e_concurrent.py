@@ -23,8 +23,8 @@ from harness.shared_servers import SharedServers
 from harness.venvs import e2e_versions
 
 VERSIONS = e2e_versions()
-CLIENTS = int(os.environ.get("MMCACHE_FIX_CONCURRENT_CLIENTS", "8"))
-REQUESTS = int(os.environ.get("MMCACHE_FIX_CONCURRENT_REQUESTS", "150"))
+CLIENTS = int(os.environ.get("MMCACHE_HARNESS_CONCURRENT_CLIENTS", "8"))
+REQUESTS = int(os.environ.get("MMCACHE_HARNESS_CONCURRENT_REQUESTS", "150"))
 
 
 @pytest.mark.shared_server("plugin")

@@ -1,7 +1,7 @@
 """Real servers: P0/P1 multimodal cache drift never reaches a client with the plugin.
 
 A 200-request mixed run (``scripts/drift-run``, harness/programs/drift_run.py) at
-``--mm-processor-cache-gb 0.001`` for each vLLM version of ``MMCACHE_FIX_E2E_VERSIONS``:
+``--mm-processor-cache-gb 0.001`` for each vLLM version of ``MMCACHE_HARNESS_E2E_VERSIONS``:
 
 * with the plugin (default mode, on the release's shared plugin server, with images it
   has not seen): the long-prompt request gets 400, the next request with the same image
@@ -33,7 +33,7 @@ VERSIONS = e2e_versions()
 FREEZES = ("0.23.0",)
 
 # Recovery alone (no prevention) on the oldest or the newest, one per commit
-# (MMCACHE_FIX_ROTATE=off: both): the engine reports no missing hashes up to 0.27 and
+# (MMCACHE_HARNESS_ROTATE=off: both): the engine reports no missing hashes up to 0.27 and
 # reports them from 0.28 on.
 RECOVER_ONLY = per_commit([v for v in VERSIONS if v in ("0.23.0", "0.32.0")])
 BASELINES = per_commit([v for v in VERSIONS if v not in FREEZES])

@@ -12,10 +12,10 @@ reliably (:data:`UNPATCHED`).
 
 Selection (environment):
 
-* ``MMCACHE_FIX_MODELS``: model names (spaces or commas), default all of :data:`MODELS`;
-* ``MMCACHE_FIX_MODALITIES``: ``image``/``video``, default both;
-* ``MMCACHE_FIX_E2E_VERSIONS``: vLLM versions, default :data:`harness.venvs.DEFAULT_VERSIONS`;
-* ``MMCACHE_FIX_FAMILY_MATRIX``: ``ci`` (default) runs one case of :data:`CI_WITH_PLUGIN`
+* ``MMCACHE_HARNESS_MODELS``: model names (spaces or commas), default all of :data:`MODELS`;
+* ``MMCACHE_HARNESS_MODALITIES``: ``image``/``video``, default both;
+* ``MMCACHE_HARNESS_E2E_VERSIONS``: vLLM versions, default :data:`harness.venvs.DEFAULT_VERSIONS`;
+* ``MMCACHE_HARNESS_FAMILY_MATRIX``: ``ci`` (default) runs one case of :data:`CI_WITH_PLUGIN`
   with the plugin, chosen by the commit (:func:`harness.rotation.rotate`; successive
   commits walk the four): one server start. ``full`` runs every selected model x
   modality x version, with and without the plugin (the README's family table).
@@ -59,9 +59,9 @@ def _env_list(name: str, default: list[str]) -> list[str]:
 
 def _cases(with_plugin: bool) -> list[tuple[str, str, str]]:
     versions = e2e_versions()
-    models = [m for m in _env_list("MMCACHE_FIX_MODELS", MODELS) if m in tiny_models.MODELS]
-    modalities = _env_list("MMCACHE_FIX_MODALITIES", ["image", "video"])
-    full = os.environ.get("MMCACHE_FIX_FAMILY_MATRIX", "ci") == "full"
+    models = [m for m in _env_list("MMCACHE_HARNESS_MODELS", MODELS) if m in tiny_models.MODELS]
+    modalities = _env_list("MMCACHE_HARNESS_MODALITIES", ["image", "video"])
+    full = os.environ.get("MMCACHE_HARNESS_FAMILY_MATRIX", "ci") == "full"
     chosen = dict(rotate(sorted(CI_WITH_PLUGIN.items()))) if with_plugin else {}
     cases = []
     for model in models:

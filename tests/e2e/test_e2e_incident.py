@@ -10,10 +10,10 @@ The replays with the plugin run on each release's shared plugin server, those wi
 on the shared server that keeps the installed plugin out, with images those servers have
 not seen; 0.23.0's freeze is a server of its own (``frozen_without_plugin``). With every
 guarded site of the plugin failing, the replay gets a new server. Cases marked "one per
-commit" rotate (:func:`harness.rotation.per_commit`; ``MMCACHE_FIX_ROTATE=off`` runs
+commit" rotate (:func:`harness.rotation.per_commit`; ``MMCACHE_HARNESS_ROTATE=off`` runs
 them all).
 
-Versions: ``MMCACHE_FIX_E2E_VERSIONS`` (spaces or commas), default
+Versions: ``MMCACHE_HARNESS_E2E_VERSIONS`` (spaces or commas), default
 :data:`harness.venvs.DEFAULT_VERSIONS`. A version without a complete venv
 (``scripts/make-venv VERSION``) fails.
 """

@@ -50,7 +50,7 @@ LIVELOCK_ONLY = {"0.23.0": "plugin"}
 """Further releases whose server runs the livelock phase only."""
 
 pytestmark = pytest.mark.skipif(
-    VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_FIX_E2E_VERSIONS"
+    VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_HARNESS_E2E_VERSIONS"
 )
 
 
@@ -140,7 +140,7 @@ def test_a_zero_token_livelock_fails_health_in_time(
     runs: dict[str, dict[str, Any]], version: str, variant: str
 ) -> None:
     if version not in e2e_versions():
-        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{version} not in MMCACHE_HARNESS_E2E_VERSIONS")
     run = _run(runs, variant, version)
     livelock = run["phases"]["livelock"]
     assert livelock["statuses_before"] == ["200"], livelock
@@ -192,7 +192,7 @@ def test_the_livelock_verdict_writes_a_snapshot_and_moves_the_metrics(
     runs: dict[str, dict[str, Any]], version: str, variant: str
 ) -> None:
     if version not in e2e_versions():
-        pytest.skip(f"{version} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{version} not in MMCACHE_HARNESS_E2E_VERSIONS")
     run = _run(runs, variant, version)
     data = _snapshot(run, "no_progress")
     requests = data[stall_snapshot.KEY_DETAILS][stall_snapshot.KEY_REQUESTS]

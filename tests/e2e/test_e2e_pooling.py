@@ -7,7 +7,7 @@ requests pass through ``process_inputs`` but never through ``AsyncLLM.generate``
 whatever the drift guard kept for them would stay. Before the fix the API server grew by
 about 3.9 MiB a request with the plugin (+1172 MiB over 300 requests, -2.2 MiB without).
 
-Here one server with the plugin: over ``MMCACHE_FIX_POOLING_REQUESTS`` requests after the
+Here one server with the plugin: over ``MMCACHE_HARNESS_POOLING_REQUESTS`` requests after the
 warm-up (default 120; at the leak's 3.9 MiB a request, 470 MiB) the API server's resident
 memory may grow by :data:`GROWTH_LIMIT_MIB` at most. vLLM alone moves by up to about
 10 MiB either way over such a run (allocator arenas), so a comparison of two servers with
@@ -29,7 +29,7 @@ from harness.venvs import e2e_versions, set_plugin
 from vllm_mmcache_fix.core.messages import DRIFT_GUARD_ACTIVE
 
 VERSION = "0.32.0"
-REQUESTS = int(os.environ.get("MMCACHE_FIX_POOLING_REQUESTS", "120"))
+REQUESTS = int(os.environ.get("MMCACHE_HARNESS_POOLING_REQUESTS", "120"))
 GROWTH_LIMIT_MIB = 32.0
 """A leak of 0.27 MiB a request (one fourteenth of the one fixed) over 120 requests."""
 

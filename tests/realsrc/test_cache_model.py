@@ -49,7 +49,7 @@ from vllm_mmcache_fix.lru_eviction.cache import QUIET_ATTR, fixed_lru_class
 VERSIONS: tuple[str, ...] = ("0.11.0", "0.23.0", "0.24.0", "0.29.0", NEWEST)
 GHOST_TOUCH_VERSIONS = frozenset({"0.11.0", "0.23.0"})
 
-EXAMPLES_ENV = "MMCACHE_FIX_HYPOTHESIS_EXAMPLES"
+EXAMPLES_ENV = "MMCACHE_HARNESS_HYPOTHESIS_EXAMPLES"
 TOTAL_EXAMPLES = int(os.environ.get(EXAMPLES_ENV, "2000"))
 EXAMPLES_PER_VERSION = max(20, TOTAL_EXAMPLES // len(VERSIONS))
 

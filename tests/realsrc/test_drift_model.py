@@ -51,7 +51,7 @@ from vllm_mmcache_fix.drift_guard import GUARD
 
 # 0.23.0's touch adds missing keys to the order; 0.24.0's and later (0.34.0) do not.
 LRU_VERSIONS = ("0.23.0", "0.34.0")
-EXAMPLES = int(os.environ.get("MMCACHE_FIX_HYPOTHESIS_EXAMPLES", "2000")) // 8
+EXAMPLES = int(os.environ.get("MMCACHE_HARNESS_HYPOTHESIS_EXAMPLES", "2000")) // 8
 KEYS = "abcdef"
 _loop = asyncio.new_event_loop()
 

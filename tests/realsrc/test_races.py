@@ -19,7 +19,7 @@ from harness.programs.bench import race_probe
 from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
 from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
 
-TRIALS = int(os.environ.get("MMCACHE_FIX_RACE_TRIALS", "10"))
+TRIALS = int(os.environ.get("MMCACHE_HARNESS_RACE_TRIALS", "10"))
 CACHETOOLS = ("5.5.2", "8.0.2")
 # One release whose touch adds missing keys to the order, one whose touch does not.
 VERSIONS = ("0.23.0", NEWEST)

@@ -1,7 +1,7 @@
 """Soak: a real vLLM server with the plugin under mixed multimodal traffic stays healthy.
 
-One version (``MMCACHE_FIX_SOAK_VERSION``, default 0.32.0), one server, a shortened
-run of ``scripts/soak`` (harness/programs/soak.py; ``MMCACHE_FIX_SOAK_REQUESTS`` requests,
+One version (``MMCACHE_HARNESS_SOAK_VERSION``, default 0.32.0), one server, a shortened
+run of ``scripts/soak`` (harness/programs/soak.py; ``MMCACHE_HARNESS_SOAK_REQUESTS`` requests,
 default 600; the
 script's own default is 2000): new and reused images, long prompts rejected after
 placeholder expansion, two-image prompts. Pass criteria: no timeout, no 5xx for a
@@ -21,10 +21,10 @@ from harness import runner
 from harness.programs import soak
 from harness.rotation import SOAKS, this_turn
 
-VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()
-REQUESTS = int(os.environ.get("MMCACHE_FIX_SOAK_REQUESTS", "600"))
-TURN = this_turn(SOAKS, "MMCACHE_FIX_SOAKS")
-"""CI runs one soak per commit; ``MMCACHE_FIX_SOAKS=all`` (or a name) chooses."""
+VERSION = os.environ.get("MMCACHE_HARNESS_SOAK_VERSION", "0.32.0").strip()
+REQUESTS = int(os.environ.get("MMCACHE_HARNESS_SOAK_REQUESTS", "600"))
+TURN = this_turn(SOAKS, "MMCACHE_HARNESS_SOAKS")
+"""CI runs one soak per commit; ``MMCACHE_HARNESS_SOAKS=all`` (or a name) chooses."""
 
 
 @pytest.mark.skipif("sequential" not in TURN, reason="the other soak's turn")

@@ -1,8 +1,8 @@
 """Concurrent soak: a real vLLM server with the plugin under concurrent mixed traffic.
 
-One version (``MMCACHE_FIX_SOAK_VERSION``, default 0.32.0), one server, ``CLIENTS``
-concurrent clients (``MMCACHE_FIX_SOAK_CLIENTS``, default 8) sending
-``MMCACHE_FIX_SOAK_CONCURRENT_REQUESTS`` requests (default 600; ``scripts/concurrent
+One version (``MMCACHE_HARNESS_SOAK_VERSION``, default 0.32.0), one server, ``CLIENTS``
+concurrent clients (``MMCACHE_HARNESS_SOAK_CLIENTS``, default 8) sending
+``MMCACHE_HARNESS_SOAK_CONCURRENT_REQUESTS`` requests (default 600; ``scripts/concurrent
 --soak --requests 2000`` is the full soak) of harness/programs/concurrent.py's mixed plan. The
 pass criteria are the soak's own (:meth:`harness.programs.soak.SoakResult.failures`): no
 timeout, no 5xx for a valid request, every long request answered 400, EngineCore
@@ -21,10 +21,10 @@ from harness import runner
 from harness.programs import concurrent
 from harness.rotation import SOAKS, this_turn
 
-VERSION = os.environ.get("MMCACHE_FIX_SOAK_VERSION", "0.32.0").strip()
-CLIENTS = int(os.environ.get("MMCACHE_FIX_SOAK_CLIENTS", "8"))
-REQUESTS = int(os.environ.get("MMCACHE_FIX_SOAK_CONCURRENT_REQUESTS", "600"))
-TURN = this_turn(SOAKS, "MMCACHE_FIX_SOAKS")
+VERSION = os.environ.get("MMCACHE_HARNESS_SOAK_VERSION", "0.32.0").strip()
+CLIENTS = int(os.environ.get("MMCACHE_HARNESS_SOAK_CLIENTS", "8"))
+REQUESTS = int(os.environ.get("MMCACHE_HARNESS_SOAK_CONCURRENT_REQUESTS", "600"))
+TURN = this_turn(SOAKS, "MMCACHE_HARNESS_SOAKS")
 
 
 @pytest.mark.skipif("concurrent" not in TURN, reason="the other soak's turn")

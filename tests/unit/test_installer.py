@@ -14,9 +14,9 @@ def test_a_named_uv_installs_with_bytecode_and_pips_find_links(
 ) -> None:
     uv = tmp_path / "uv"
     uv.write_text("")
-    monkeypatch.setenv("MMCACHE_FIX_UV", str(uv))
+    monkeypatch.setenv("MMCACHE_HARNESS_UV", str(uv))
     monkeypatch.setenv("PIP_FIND_LINKS", "/opt/a /opt/b")
-    monkeypatch.setenv("MMCACHE_FIX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MMCACHE_HARNESS_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("UV_CACHE_DIR", raising=False)
     argv, env = installer.install_command(Path("/v/bin/python"), "-q", "torch==2.0")
     assert argv[:5] == [str(uv), "pip", "install", "--python", "/v/bin/python"]
@@ -29,6 +29,6 @@ def test_a_named_uv_installs_with_bytecode_and_pips_find_links(
 def test_a_named_uv_that_is_not_there_means_pip(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MMCACHE_FIX_UV", str(tmp_path / "missing"))
+    monkeypatch.setenv("MMCACHE_HARNESS_UV", str(tmp_path / "missing"))
     argv, _env = installer.install_command(Path("/v/bin/python"), "x")
     assert argv[:4] == ["/v/bin/python", "-m", "pip", "install"] and argv[-1] == "x"

@@ -36,7 +36,7 @@ def _item(version: str | None, kind: str | None) -> Any:
 
 
 def test_e2e_tests_run_grouped_by_shared_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MMCACHE_FIX_E2E_VERSIONS", "0.23.0 0.32.0")
+    monkeypatch.setenv("MMCACHE_HARNESS_E2E_VERSIONS", "0.23.0 0.32.0")
     items = [
         _item("0.32.0", None),
         _item("0.23.0", "noplugin"),
@@ -68,10 +68,10 @@ def test_a_misspelt_release_under_test_fails_loudly(
     from harness import venvs
 
     monkeypatch.setenv(venvs.VERSIONS_ENV, value)
-    with pytest.raises(ValueError, match="MMCACHE_FIX_E2E_VERSIONS"):
+    with pytest.raises(ValueError, match="MMCACHE_HARNESS_E2E_VERSIONS"):
         venvs.e2e_versions()
     assert venvs.print_e2e_versions([]) == 2
-    assert "MMCACHE_FIX_E2E_VERSIONS" in capsys.readouterr().err
+    assert "MMCACHE_HARNESS_E2E_VERSIONS" in capsys.readouterr().err
 
 
 def test_releases_under_test_read_spaces_and_commas(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,7 +54,7 @@ def _run(tmp_path: Path, *args: str, selected: str = "0.23.0") -> dict:  # type:
     (tier / "test_gone.py").write_text(GONE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    realtime: x\n")
     out = tmp_path / "outcomes.json"
-    env = {**os.environ, "MMCACHE_FIX_OUTCOMES": str(out), "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "MMCACHE_HARNESS_OUTCOMES": str(out), "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "harness.outcomes", "-p", "no:cacheprovider"]
         + list(args),

