@@ -57,6 +57,14 @@ def _switches(mode: str) -> int:
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["voluntary"])
 
 
+def test_the_reader_is_chosen_at_the_first_read_not_at_import() -> None:
+    code = (
+        "from vllm_mmcache_fix.core import procfs as p; import threading; assert p._reader == []; "
+        "p.read_own_thread(threading.get_native_id()); assert len(p._reader) == 1"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=str(REPO_ROOT), check=True, timeout=60)
+
+
 def test_the_reader_reads_what_python_reads() -> None:
     tid = threading.get_native_id()
     path = f"/proc/self/task/{tid}/status"
@@ -67,7 +75,7 @@ def test_the_reader_reads_what_python_reads() -> None:
 
 @pytest.mark.realtime
 def test_reading_threads_does_not_make_a_spinning_thread_wait() -> None:
-    assert "_gil_holding_reader" in procfs._read_bytes.__qualname__, "no GIL-holding reader"
+    assert "_gil_holding_reader" in procfs.reader().__qualname__, "no GIL-holding reader"
     held = _switches("held")
     python_io = _switches("python")
     print(f"voluntary switches of the spinner in 2 s: {held} (Python I/O: {python_io})")

@@ -8,11 +8,15 @@ operator tools. Parsers raise ``ValueError`` on text they do not recognise.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+
+from .records import frozen
+
+TYPE_CHECKING = False  # as typing's, without importing typing in every vLLM process
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
-@dataclass(frozen=True)
+@frozen
 class StatFields:
     """The fields of ``/proc/<pid>[/task/<tid>]/stat`` the project uses."""
 
@@ -59,7 +63,7 @@ def parse_schedstat(text: str) -> int | None:
     return int(fields[0]) + int(fields[1])
 
 
-@dataclass(frozen=True)
+@frozen
 class ThreadCounters:
     ticks: int
     """CPU time (utime + stime) in clock ticks."""
@@ -121,7 +125,19 @@ def _gil_holding_reader() -> Callable[[str], bytes] | None:
     return read
 
 
-_read_bytes: Callable[[str], bytes] = _gil_holding_reader() or _python_read
+_reader: list[Callable[[str], bytes]] = []
+"""The reader, chosen at the first read (not when the module loads, in every process)."""
+
+
+def reader() -> Callable[[str], bytes]:
+    """The GIL-holding reader where there is one, else Python's own."""
+    if not _reader:
+        _reader.append(_gil_holding_reader() or _python_read)
+    return _reader[0]
+
+
+def _read_bytes(path: str) -> bytes:
+    return reader()(path)
 
 
 def _read_text(path: str) -> str:

@@ -6,12 +6,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import CodeType, FrameType
 
 from ..core.procfs import ThreadCounters, read_own_thread
+from ..core.records import frozen
 from ..vllm_layout import EVICTION_CALLERS, EVICTION_FRAMES, STACK_FILE_MARKERS
+
+TYPE_CHECKING = False  # as typing's, without importing typing in every vLLM process
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MIN_CPU_FRACTION = 0.8
 """A stalled thread uses at least this much of one core between two samples..."""
@@ -65,7 +68,12 @@ def _busy(
     )
 
 
-@dataclass(frozen=True)
+# The classes below are plain: ``dataclass`` compiles each class's methods from source text
+# when the module loads (``core/records.py``), and EngineCore and the API server load this
+# module at start-up.
+
+
+@frozen
 class StackLine:
     file: str
     line: int
@@ -75,22 +83,51 @@ class StackLine:
         return f"{self.file}:{self.line} {self.function}"
 
 
-@dataclass
 class Stall:
     """One stalled thread, as reported."""
 
-    thread_name: str
-    native_id: int
-    seconds: float
-    cpu_percent: float
-    runnable_percent: float | None
-    voluntary: int
-    involuntary: int
-    stack: list[StackLine]
-    """Innermost first."""
-    frames_total: int
-    anchor_function: str = "?"
-    """The call that has not returned since the stall began (``Cache.__setitem__``)."""
+    __slots__ = (
+        "thread_name",
+        "native_id",
+        "seconds",
+        "cpu_percent",
+        "runnable_percent",
+        "voluntary",
+        "involuntary",
+        "stack",
+        "frames_total",
+        "anchor_function",
+    )
+
+    def __init__(
+        self,
+        thread_name: str,
+        native_id: int,
+        seconds: float,
+        cpu_percent: float,
+        runnable_percent: float | None,
+        voluntary: int,
+        involuntary: int,
+        stack: list[StackLine],
+        frames_total: int,
+        anchor_function: str = "?",
+    ) -> None:
+        self.thread_name = thread_name
+        self.native_id = native_id
+        self.seconds = seconds
+        self.cpu_percent = cpu_percent
+        self.runnable_percent = runnable_percent
+        self.voluntary = voluntary
+        self.involuntary = involuntary
+        self.stack = stack
+        """Innermost first."""
+        self.frames_total = frames_total
+        self.anchor_function = anchor_function
+        """The call that has not returned since the stall began (``Cache.__setitem__``)."""
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"Stall({inner})"
 
     @property
     def top_function(self) -> str:
@@ -106,41 +143,72 @@ def _tokens(frames: list[FrameType]) -> list[_Token]:
     return [(id(frame), frame.f_code) for frame in frames]
 
 
-@dataclass
 class _Track:
-    native_id: int
-    anchor: list[FrameType]
-    """Outermost first: the calls that have not returned since the stall began, each seen in
-    two samples at least, busy in between. Held as objects, so a new call is never taken
-    for one that returned; only such a long, busy call, if it then returns, has its locals
-    kept until the next sample."""
-    tail: list[_Token]
-    """The rest of the last sample's stack, not held: a call that returns in the meantime
-    must not keep its locals (a forward pass's tensors) alive until the next sample."""
-    counters: ThreadCounters
-    at: float
-    since: float
-    cpu_s: float = 0.0
-    runnable_s: float | None = 0.0
-    voluntary: int = 0
-    involuntary: int = 0
-    reported: bool = False
-    misses: int = 0
-    """Consecutive intervals in place but not busy (a loaded machine can starve one)."""
+    __slots__ = (
+        "native_id",
+        "anchor",
+        "tail",
+        "counters",
+        "at",
+        "since",
+        "cpu_s",
+        "runnable_s",
+        "voluntary",
+        "involuntary",
+        "reported",
+        "misses",
+    )
+
+    def __init__(
+        self,
+        native_id: int,
+        anchor: list[FrameType],
+        tail: list[_Token],
+        counters: ThreadCounters,
+        at: float,
+        since: float,
+    ) -> None:
+        self.native_id = native_id
+        self.anchor = anchor
+        """Outermost first: the calls that have not returned since the stall began, each
+        seen in two samples at least, busy in between. Held as objects, so a new call is
+        never taken for one that returned; only such a long, busy call, if it then returns,
+        has its locals kept until the next sample."""
+        self.tail = tail
+        """The rest of the last sample's stack, not held: a call that returns in the
+        meantime must not keep its locals (a forward pass's tensors) alive until the next
+        sample."""
+        self.counters = counters
+        self.at = at
+        self.since = since
+        self.cpu_s = 0.0
+        self.runnable_s: float | None = 0.0
+        self.voluntary = 0
+        self.involuntary = 0
+        self.reported = False
+        self.misses = 0
+        """Consecutive intervals in place but not busy (a loaded machine can starve one)."""
 
 
-@dataclass
 class Detector:
     """Feed it :meth:`sample` every interval; it calls ``on_stall`` once per stall."""
 
-    threshold_s: float
-    on_stall: Callable[[Stall], None]
-    read_counters: Callable[[int], ThreadCounters] = read_own_thread
-    clock: Callable[[], float] = time.monotonic
-    ignore_idents: set[int] = field(default_factory=set)
-    tracks: dict[int, _Track] = field(default_factory=dict)
-    stalls: int = 0
-    samples: int = 0
+    def __init__(
+        self,
+        threshold_s: float,
+        on_stall: Callable[[Stall], None],
+        read_counters: Callable[[int], ThreadCounters] = read_own_thread,
+        clock: Callable[[], float] = time.monotonic,
+        ignore_idents: set[int] | None = None,
+    ) -> None:
+        self.threshold_s = threshold_s
+        self.on_stall = on_stall
+        self.read_counters = read_counters
+        self.clock = clock
+        self.ignore_idents: set[int] = set() if ignore_idents is None else ignore_idents
+        self.tracks: dict[int, _Track] = {}
+        self.stalls = 0
+        self.samples = 0
 
     def sample(self) -> None:
         now = self.clock()
