@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import commits
 from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
 
@@ -75,6 +76,14 @@ TARGETS: tuple[Target, ...] = (
         LAYOUTS_ONLY,
     ),
     Target(
+        "vllm_mmcache_fix/engine_liveness/progress.py",
+        (  # the net-progress rule: the livelock and cascade verdicts, the remedy's timing
+            "tests/unit/test_engine_progress.py",
+            "tests/unit/test_engine_abort_stuck.py",
+            "tests/unit/test_stall_snapshot.py",
+        ),
+    ),
+    Target(
         "vllm_mmcache_fix/drift_guard/journal.py",
         ("tests/unit", "tests/realsrc/test_drift.py", "tests/realsrc/test_drift_model.py"),
     ),
@@ -89,12 +98,6 @@ TARGETS: tuple[Target, ...] = (
 
 def _log(msg: str) -> None:
     print(f"[mutation] {msg}", file=sys.stderr, flush=True)
-
-
-def head() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
 
 
 def requirements() -> list[str]:
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true", help="write compat/mutation.json only")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    commit = args.commit or head()
+    commit = args.commit or commits.head()
     targets = [t for t in TARGETS if t.path in args.files]
     unknown = set(args.files) - {t.path for t in targets}
     if unknown:
