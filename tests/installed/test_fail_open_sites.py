@@ -86,7 +86,11 @@ def program_cases() -> set[str]:
 
 @functools.cache
 def results(version: str, venv: Path) -> dict[str, dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env.update({"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"})
     proc = subprocess.run(
         [str(venv_python(venv)), str(PROGRAM), *sorted(program_cases() & set(SITES))],

@@ -123,7 +123,11 @@ if __name__ == "__main__":
 def _replay(venv: Path, load: bool) -> dict:
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmcache_fix_replay_{os.getpid()}.py"
     script.write_text(REPLAY)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env["VLLM_LOGGING_LEVEL"] = "INFO"
     proc = subprocess.run(
         [

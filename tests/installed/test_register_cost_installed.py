@@ -58,7 +58,11 @@ EXPECTED = {
 
 
 def _run(version: str, venv: Path, kind: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env.update({"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"})
     proc = subprocess.run(
         [str(venv_python(venv)), "-c", CHILD, json.dumps(KINDS[kind])],

@@ -70,7 +70,11 @@ print(json.dumps({
 @pytest.mark.parametrize("version", VERSIONS)
 def test_details_read_vllms_own_classes(version: str, vllm_venv) -> None:
     venv = vllm_venv(version)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env.update({"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"})
     proc = subprocess.run(
         [str(venv_python(venv)), "-c", CODE],

@@ -55,7 +55,11 @@ print("RESULT " + json.dumps({"patched": patched, "originals": originals, "added
 @pytest.mark.parametrize("version", e2e_versions())
 def test_wrappers_keep_vllm_signatures(version: str, vllm_venv) -> None:
     venv: Path = vllm_venv(version)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env["PYTHONPATH"] = str(REPO_ROOT)
     proc = subprocess.run(
         [str(venv_python(venv)), "-c", SCRIPT],

@@ -35,7 +35,11 @@ COMMAND_VERDICTS = {
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MMCACHE_FIX_"))}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     full["PYTHONPATH"] = str(REPO_ROOT)
     full.update(env or {})
     return subprocess.run(

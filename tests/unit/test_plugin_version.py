@@ -112,7 +112,11 @@ def test_build_info_with_two_api_servers_is_one(tmp_path) -> None:
 
 
 def test_check_prints_the_version() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMCACHE_FIX_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MMCACHE_FIX_", "MMCACHE_HARNESS_"))
+    }
     env["PYTHONPATH"] = str(REPO_ROOT)
     done = subprocess.run(
         [sys.executable, "-m", "vllm_mmcache_fix", "check", "--json"],
