@@ -93,16 +93,19 @@ class SharedServers:
             self.lock.release()
 
 
-def server_order(item: pytest.Item) -> tuple[int, int]:
-    """Where an e2e test runs: by release, the shared servers' tests first, in
-    :data:`SHARED` order (a test marks its kind with ``@pytest.mark.shared_server(kind)``)."""
+def server_order(item: pytest.Item) -> tuple[int, int, int]:
+    """Where an e2e test runs: the shared servers' tests first, by release and in
+    :data:`SHARED` order (a test marks its kind with ``@pytest.mark.shared_server(kind)``);
+    then every other test in the order it was collected, so that a module whose servers are
+    its own (a module-scoped fixture) runs in one piece and starts them once."""
+    marker = item.get_closest_marker("shared_server")
+    if marker is None:
+        return 1, 0, 0
     versions = e2e_versions()
     params = getattr(item, "callspec", None)
     version = params.params.get("version") if params is not None else None
     rank = versions.index(version) if version in versions else len(versions)
-    marker = item.get_closest_marker("shared_server")
-    kind = SHARED.index(marker.args[0]) if marker is not None else len(SHARED)
-    return rank, kind
+    return 0, rank, SHARED.index(marker.args[0])
 
 
 # ----------------------------------------------------------------------------- 0.23.0 replays

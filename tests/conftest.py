@@ -61,7 +61,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The e2e tier runs grouped by server: the tests of one shared server back to back."""
+    """The e2e tier runs grouped by server: the tests of one shared server back to back,
+    then the modules whose servers are their own, each in one piece."""
     from harness.shared_servers import server_order
 
     places = [i for i, item in enumerate(items) if tier_of(item.path) == "e2e"]
