@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,3 +88,34 @@ def test_releases_under_test_read_spaces_and_commas(monkeypatch: pytest.MonkeyPa
     assert venvs.e2e_versions() == ["0.23.0", "0.10.1.1", "0.8.5.post1"]
     monkeypatch.delenv(venvs.VERSIONS_ENV)
     assert venvs.e2e_versions() == list(venvs.DEFAULT_VERSIONS)
+
+
+def test_the_real_e2e_tier_runs_each_module_with_its_own_servers_in_one_piece() -> None:
+    # Collected as CI collects it: a module whose servers come from a module-scoped
+    # fixture must not be split by the ordering (it would start them again per piece).
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MMCACHE_HARNESS_E2E_VERSIONS": "0.23.0 0.32.0"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/e2e",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    ).stdout
+    modules = [line.split("::")[0] for line in out.splitlines() if "::" in line]
+    owning = {m for m in set(modules) if 'scope="module"' in (root / m).read_text(encoding="utf-8")}
+    assert {"tests/e2e/test_e2e_liveness.py", "tests/e2e/test_e2e_abort_stuck.py"} <= owning
+    pieces = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    for module in owning:
+        assert pieces.count(module) == 1, (module, pieces)
