@@ -962,7 +962,11 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
         out["preempt_recovers"] = cascade.get("recovered_s") is not None
         served = cascade.get("requests", [cascade.get("request")])
         out["preempt_request_served"] = bool(served) and all(s == 200 for s in served)
-        out["preempt_logged"] = scan.get("no_progress") == 1
+        # At most one WARNING per episode from each API server, and at least one: every API
+        # server runs its own heartbeat (with DP=2 vLLM starts two), and whether the second
+        # reaches its verdict before the stall ends is a matter of its 2 s ping phase.
+        logged, servers = scan.get("no_progress") or 0, max(1, scan.get("liveness_active", 1))
+        out["preempt_logged"] = 1 <= logged <= servers
         out["never_off"] = scan.get("check_off") == 0
     elif run.get("case") == "topology":
         topo = phases.get("topology", {})
