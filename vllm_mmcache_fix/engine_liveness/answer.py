@@ -114,6 +114,23 @@ class EngineLivenessAnswer(Fix):
     runs_in = "EngineCore"
     watches = (ENGINE_CORE_CLASS.module,)
 
+    # Each is on after a reset and off for good after an internal error at its site.
+    adopting: bool
+    stamping: bool
+    progressing: bool
+    """Net progress kept after each step."""
+    input_thread: bool
+    """Pings answered in the input thread."""
+    detailing: bool
+    """Answers carry the stall snapshot's details."""
+    fork_locks: bool
+    """This (forked) process made its locks new after the fork; False when that broke."""
+    answering: bool
+    """Answers carry the loop's state, progress and counts (when off, the answer is pid and
+    route only: the API server turns its check off)."""
+    aborting: bool
+    """The remedy works."""
+
     def __init__(self, counts: Counts) -> None:
         super().__init__()
         self.counts = counts
@@ -125,6 +142,17 @@ class EngineLivenessAnswer(Fix):
         self._details_site = self.errors.site("engine_liveness.snapshot_details")
         self._abort_site = self.errors.site("engine_liveness.abort_stuck")
         self._fork_site = self.errors.site(fork.SITE)  # counted in a forked child (fork.py)
+        self._switch_of: dict[str, str] = {
+            self._input_site.name: "input_thread",
+            self._stamp_site.name: "stamping",
+            self._progress_site.name: "progressing",
+            self._details_site.name: "detailing",
+            self._adopt_site.name: "adopting",
+            self._abort_site.name: "aborting",
+            self._answer_site.name: "answering",
+            self._fork_site.name: "fork_locks",
+        }
+        """The flag an internal error at a site turns off."""
         self._reset()
 
     def _reset(self) -> None:
@@ -132,25 +160,12 @@ class EngineLivenessAnswer(Fix):
         self.answers = 0
         self.answers_in_input_thread = 0
         self.engines = 0
-        self.adopting = True
-        self.stamping = True
-        self.progressing = True
-        """Net progress kept after each step; off after an internal error there."""
-        self.input_thread = True
-        """Pings answered in the input thread; off after an internal error there."""
-        self.detailing = True
-        """Answers carry the stall snapshot's details; off after an internal error there."""
-        self.fork_locks = True
-        """This (forked) process made its locks new after the fork; False when that broke."""
-        self.answering = True
-        """Answers carry the loop's state, progress and counts; off after an internal error
-        there (the answer is then pid and route only: the API server turns its check off)."""
+        for flag in self._switch_of.values():
+            setattr(self, flag, True)
         self._local = threading.local()
         self._announced = False
         self.abort_timeout = 0.0
         """The progress timeout when ``MMCACHE_FIX_ABORT_STUCK=on`` (0: the remedy is off)."""
-        self.aborting = True
-        """The remedy works; off after an internal error there."""
         self.stuck_aborts = 0
         """Requests the remedy aborted in this process."""
 
@@ -193,22 +208,9 @@ class EngineLivenessAnswer(Fix):
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
-        if where == self._input_site.name:
-            self.input_thread = False
-        elif where == self._stamp_site.name:
-            self.stamping = False
-        elif where == self._progress_site.name:
-            self.progressing = False
-        elif where == self._details_site.name:
-            self.detailing = False
-        elif where == self._adopt_site.name:
-            self.adopting = False
-        elif where == self._abort_site.name:
-            self.aborting = False
-        elif where == self._answer_site.name:
-            self.answering = False
-        elif where == self._fork_site.name:
-            self.fork_locks = False
+        flag = self._switch_of.get(where)
+        if flag is not None:
+            setattr(self, flag, False)
 
     def _on_import(self, name: str) -> bool:
         module = sys.modules.get(ENGINE_CORE_CLASS.module)
