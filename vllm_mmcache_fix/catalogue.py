@@ -9,7 +9,7 @@ keeps the rows, the code (``plugin.FIXES``, ``vllm_layout``) and the files under
 
 from __future__ import annotations
 
-from .core.declaration import PatchSpec
+from .core.declaration import PatchSpec, lazy_attribute
 
 TYPE_CHECKING = False
 
@@ -73,10 +73,7 @@ def rows() -> tuple[PatchSpec, ...]:
     return tuple(patch for d in plugin.declarations() for patch in d.patches)
 
 
-def __getattr__(name: str) -> tuple[PatchSpec, ...]:
-    if name == "CATALOGUE":
-        return rows()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attribute(__name__, "CATALOGUE", rows)
 
 
 if TYPE_CHECKING:

@@ -35,6 +35,18 @@ if TYPE_CHECKING:
         def declarations(self) -> tuple[Declaration, ...]: ...
 
 
+def lazy_attribute(module: str, name: str, compute: Callable[[], Any]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` answering ``name`` with ``compute()``, on each access: a
+    table gathered from the fixes' declarations is never built at import."""
+
+    def __getattr__(attribute: str) -> Any:
+        if attribute == name:
+            return compute()
+        raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
+
+    return __getattr__
+
+
 ENGINE_NAME_KEY = "engine_name"
 """The key of an engine's name in the counts ``Declaration.engine_counts`` gives."""
 

@@ -18,6 +18,7 @@ from ..core.declaration import (
     Count,
     Declaration,
     MetricSpec,
+    lazy_attribute,
 )
 from ..drift_guard.owns import DRIFT_EVENTS, RECOVERIES, RECOVERY_FAILURES, ROLLBACKS
 from ..engine_liveness.owns import (
@@ -105,10 +106,7 @@ def all_counts(declarations: Iterable[Declaration] | None = None) -> tuple[Count
     return (INTERNAL_ERRORS_COUNT, *(c for c in counts if c.metric))
 
 
-def __getattr__(name: str) -> tuple[MetricSpec, ...]:
-    if name == "METRICS":
-        return all_metrics()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attribute(__name__, "METRICS", all_metrics)
 
 
 if TYPE_CHECKING:
