@@ -258,13 +258,12 @@ def read_status(
     base = normalize_url(url)
     code, body, error = _get(base + "/metrics", timeout)
     if code != 200:
-        why = error or f"HTTP {code}"
-        return StatusReport(
+        return _unreachable(
+            f"cannot read {base}/metrics",
             base,
-            Verdict.UNREACHABLE,
-            f"cannot read {base}/metrics: {why}",
-            remedy="check the URL (the server's own port, where /metrics is) and that the "
-            "server is up",
+            code,
+            error,
+            "check the URL (the server's own port, where /metrics is) and that the server is up",
         )
     first_read = time.monotonic()
     before = parse_metrics(body)
@@ -272,19 +271,27 @@ def read_status(
     time.sleep(settle)
     code, body, error = _get(base + "/metrics", timeout)
     if code != 200:
-        why = error or f"HTTP {code}"
-        return StatusReport(
+        report = _unreachable(
+            f"{base}/metrics answered once, then not",
             base,
-            Verdict.UNREACHABLE,
-            f"{base}/metrics answered once, then not: {why}",
-            remedy="the API server itself stopped answering: check its process and log",
-            health_status=health,
-            health_error=health_error,
+            code,
+            error,
+            "the API server itself stopped answering: check its process and log",
         )
+        report.health_status = health
+        report.health_error = health_error
+        return report
     after = parse_metrics(body)
     report = decide(base, before, after, health, health_error, timeout, stuck_after)
     report.caches = cache_figures(before, after, time.monotonic() - first_read)
     return report
+
+
+def _unreachable(
+    what: str, base: str, code: int | None, error: str | None, remedy: str
+) -> StatusReport:
+    why = error or f"HTTP {code}"
+    return StatusReport(base, Verdict.UNREACHABLE, f"{what}: {why}", remedy=remedy)
 
 
 def decide(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .. import exits
@@ -18,6 +18,15 @@ from .rules import (
 )
 
 # --------------------------------------------------------------------------- results
+
+
+def _plain(record: Any) -> dict[str, Any]:
+    """A record's fields in their order, floats rounded to 3 places."""
+    out: dict[str, Any] = {}
+    for spec in fields(record):
+        value = getattr(record, spec.name)
+        out[spec.name] = round(value, 3) if isinstance(value, float) else value
+    return out
 
 
 @dataclass
@@ -63,29 +72,7 @@ class ThreadReport:
         return self.python_name or self.name
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "tid": self.tid,
-            "name": self.name,
-            "python_name": self.python_name,
-            "states": self.states,
-            "cpu_seconds": round(self.cpu_seconds, 3),
-            "cpu_fraction": round(self.cpu_fraction, 3),
-            "runnable_fraction": None
-            if self.runnable_fraction is None
-            else round(self.runnable_fraction, 3),
-            "voluntary_switches": self.voluntary_switches,
-            "nonvoluntary_switches": self.nonvoluntary_switches,
-            "syscall": self.syscall,
-            "wchan": self.wchan,
-            "spinning": self.spinning,
-            "blocked": self.blocked,
-            "new": self.new,
-            "stack": self.stack,
-            "in_mm_cache": self.in_mm_cache,
-            "on_cpu_share": None if self.on_cpu_share is None else round(self.on_cpu_share, 3),
-            "busy_wait": self.busy_wait,
-            "expected": self.expected,
-        }
+        return _plain(self)
 
 
 @dataclass
@@ -100,12 +87,7 @@ class StackCheck:
     """The last (or the matching) dump, verbatim."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "detail": self.detail,
-            "dumps": self.dumps,
-            "text": self.text,
-        }
+        return _plain(self)
 
 
 @dataclass
