@@ -64,9 +64,7 @@ def _resolve(st: GuardState, handoff: Handoff, admitted: bool, why: str) -> None
 
 def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     st: GuardState = guard.state
-    s_commit = st.sites.inputs_after
-    s_open = st.sites.inputs_before
-    s_rollback = st.sites.inputs_failed
+    s_open, s_commit, s_rollback = st.sites.inputs
 
     async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         handoff = None
@@ -95,9 +93,7 @@ def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]
 
 def wrap_check_admission(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     st: GuardState = guard.state
-    s_commit = st.sites.inputs_after
-    s_open = st.sites.inputs_before
-    s_rollback = st.sites.inputs_failed
+    s_open, s_commit, s_rollback = st.sites.inputs
 
     def check_admission(self: Any, *args: Any, **kwargs: Any) -> Any:
         handoff = None

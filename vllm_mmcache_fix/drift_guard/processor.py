@@ -60,9 +60,7 @@ def wrap_apply(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_merge(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     st: GuardState = guard.state
-    s_merge_after = st.sites.merge_after
-    s_merge_before = st.sites.merge_before
-    s_merge_failed = st.sites.merge_failed
+    s_merge_before, s_merge_after, s_merge_failed = st.sites.merge
     cache_arg = reader(orig, "cache", what="_merge_mm_kwargs")
 
     def _merge_mm_kwargs(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -132,9 +130,7 @@ def _after_merge(st: GuardState, out: Any, journal: Journal | None, ctx: Any) ->
 
 def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     st: GuardState = guard.state
-    s_inputs_after = st.sites.inputs_after
-    s_inputs_before = st.sites.inputs_before
-    s_inputs_failed = st.sites.inputs_failed
+    s_inputs_before, s_inputs_after, s_inputs_failed = st.sites.inputs
     prompt_arg = reader(orig, "prompt", what="process_inputs")
 
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -73,6 +73,16 @@ class Sites(NamedTuple):
     generate_retry: Site
     generate_result: Site
 
+    @property
+    def merge(self) -> tuple[Site, Site, Site]:
+        """``_merge_mm_kwargs``' places: before, after, failed."""
+        return self.merge_before, self.merge_after, self.merge_failed
+
+    @property
+    def inputs(self) -> tuple[Site, Site, Site]:
+        """``process_inputs``' places (the hand-off's too): before, after, failed."""
+        return self.inputs_before, self.inputs_after, self.inputs_failed
+
     @classmethod
     def of(cls, errors: InternalErrors) -> Sites:
         return cls(**{attr: errors.site(name) for attr, name in SITE_NAMES.items()})
