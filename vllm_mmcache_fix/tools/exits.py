@@ -8,7 +8,7 @@ two in step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import __version__
@@ -186,6 +186,14 @@ def envelope(command: str, verdict: str, data: dict[str, Any] | None = None) -> 
     for key, value in (data or {}).items():
         out.setdefault(key, value)
     return out
+
+
+def record_envelope(command: str, record: Any, **values: Any) -> dict[str, Any]:
+    """:func:`envelope` of a dataclass with a ``verdict`` enum: its other fields in their
+    order, those named in ``values`` given as there."""
+    data = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "verdict"}
+    data.update(values)
+    return envelope(command, record.verdict.value, data)
 
 
 def markdown_table() -> str:

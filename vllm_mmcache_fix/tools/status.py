@@ -88,23 +88,14 @@ class StatusReport:
         return exits.exit_code(self.verdict.value)
 
     def as_dict(self) -> dict[str, Any]:
-        return exits.envelope(
+        return exits.record_envelope(
             "status",
-            self.verdict.value,
-            {
-                "url": self.url,
-                "summary": self.summary,
-                "remedy": self.remedy,
-                "plugin_version": self.plugin_version,
-                "vllm_version": self.vllm_version,
-                "health_status": self.health_status,
-                "health_error": self.health_error,
-                "protected": dict(self.protected),
-                "engines": dict(self.engines),
-                "evidence": list(self.evidence),
-                "counters": dict(self.counters),
-                "caches": {k: dict(v) for k, v in self.caches.items()},
-            },
+            self,
+            protected=dict(self.protected),
+            engines=dict(self.engines),
+            evidence=list(self.evidence),
+            counters=dict(self.counters),
+            caches={k: dict(v) for k, v in self.caches.items()},
         )
 
 

@@ -70,21 +70,7 @@ class Outcome:
         return exits.exit_code(self.verdict.value)
 
     def as_dict(self) -> dict[str, Any]:
-        return exits.envelope(
-            "patch",
-            self.verdict.value,
-            {
-                "message": self.message,
-                "root": str(self.root) if self.root else None,
-                "version": self.version,
-                "release": self.release,
-                "target": self.target,
-                "patch_file": self.patch_file,
-                "state": self.state,
-                "symlink_to": self.symlink_to,
-                "details": self.details,
-            },
-        )
+        return exits.record_envelope("patch", self, root=str(self.root) if self.root else None)
 
 
 @dataclass(frozen=True)
