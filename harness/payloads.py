@@ -112,20 +112,19 @@ def short_text(modality: str) -> str:
     return SHORT_VIDEO_TEXT if modality == "video" else SHORT_TEXT
 
 
+def user_request(parts: list[dict[str, object]], text: str, **fields: object) -> dict[str, object]:
+    """A request to the served model: one user message of ``parts`` then ``text``, and
+    ``fields`` (``max_tokens``, ...)."""
+    content = [*parts, {"type": "text", "text": text}]
+    return {"model": SERVED_NAME, "messages": [{"role": "user", "content": content}], **fields}
+
+
 def media_payload(
     text: str, modality: str, index: int | None, max_tokens: int = 1
 ) -> dict[str, object]:
     """A chat request with item ``index`` of ``modality`` (none when None), then the text."""
-    content: list[dict[str, object]] = []
-    if index is not None:
-        content.append(media_part(modality, index))
-    content.append({"type": "text", "text": text})
-    return {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
+    parts = [] if index is None else [media_part(modality, index)]
+    return user_request(parts, text, max_tokens=max_tokens, temperature=0.0)
 
 
 def words_text(n: int, model: str = tiny_models.DEFAULT) -> str:
@@ -136,37 +135,19 @@ def words_text(n: int, model: str = tiny_models.DEFAULT) -> str:
 
 def chat_payload(text: str, png: bytes | None, max_tokens: int = 1) -> dict[str, object]:
     """A chat request with at most one image."""
-    content: list[dict[str, object]] = []
-    if png is not None:
-        content.append(image_part(png))
-    content.append({"type": "text", "text": text})
-    return {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
+    parts = [] if png is None else [image_part(png)]
+    return user_request(parts, text, max_tokens=max_tokens, temperature=0.0)
 
 
 def images_payload(text: str, images: list[int], max_tokens: int = 2) -> dict[str, object]:
     """A chat request with the images ``make_png(i)`` for each index, then the text."""
-    content: list[dict[str, object]] = [image_part(make_png(i)) for i in images]
-    content.append({"type": "text", "text": text})
-    return {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
+    parts = [image_part(make_png(i)) for i in images]
+    return user_request(parts, text, max_tokens=max_tokens, temperature=0.0)
 
 
 def count_text_tokens(base_url: str, text: str, timeout: float) -> int | None:
     """Tokens of a text-only chat prompt, from the server's ``/tokenize``."""
-    payload = {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
-        "add_generation_prompt": True,
-    }
+    payload = user_request([], text, add_generation_prompt=True)
     res = http_post(base_url + "/tokenize", payload, timeout)
     if res.status != 200:
         return None

@@ -309,24 +309,21 @@ def fetch_cachetools(version: str, root: Path | None = None, force: bool = False
     return _fetch("cachetools", version, directory, None, WHEEL_LAYOUT, force)
 
 
+def fetched(result: FetchResult) -> Path:
+    """The directory of a fetch that succeeded (or found it complete); else RuntimeError."""
+    if not result.ok:
+        raise RuntimeError(f"cannot fetch {result.name} {result.version}: {result.detail}")
+    return result.directory
+
+
 def ensure_vllm_sources(version: str, root: Path | None = None) -> Path:
     """Return the source directory of ``version``, fetching it first if needed."""
-    directory = vllm_source_dir(version, root)
-    if not vllm_complete(version, root):
-        result = fetch_vllm(version, root)
-        if not result.ok:
-            raise RuntimeError(f"cannot fetch vllm {version}: {result.detail}")
-    return directory
+    return fetched(fetch_vllm(version, root))
 
 
 def ensure_cachetools(version: str, root: Path | None = None) -> Path:
     """Return the extracted cachetools directory of ``version``, fetching it if needed."""
-    directory = cachetools_dir(version, root)
-    if not cachetools_complete(version, root):
-        result = fetch_cachetools(version, root)
-        if not result.ok:
-            raise RuntimeError(f"cannot fetch cachetools {version}: {result.detail}")
-    return directory
+    return fetched(fetch_cachetools(version, root))
 
 
 def _dir_size(path: Path) -> int:

@@ -144,10 +144,7 @@ def fetch(version: str, root: Path | None = None) -> Path:
     if sources.is_complete(directory, layout):
         return directory
     select = re.compile("|".join(f"(?:{m})" for m in members))
-    result = sources._fetch("vllm", version, directory, select, layout)
-    if not result.ok:
-        raise RuntimeError(f"cannot fetch vllm {version}: {result.detail}")
-    return directory
+    return sources.fetched(sources._fetch("vllm", version, directory, select, layout))
 
 
 # --------------------------------------------------------------------------- comparing

@@ -32,9 +32,9 @@ from harness.http import http_post
 from harness.lock import ServerLock
 from harness.logscan import plugin_lines
 from harness.paths import log_path as new_log_path
-from harness.payloads import image_part, make_png
+from harness.payloads import image_part, make_png, user_request
 from harness.records import write_json
-from harness.server import SERVED_NAME, Server
+from harness.server import Server
 from harness.venvs import (
     PLUGIN_DIST,
     plugin_disabled_env,
@@ -59,12 +59,9 @@ def image_png(index: int) -> bytes:
 
 
 def embedding_payload(index: int) -> dict[str, object]:
-    content = [image_part(image_png(index)), {"type": "text", "text": "Describe the image."}]
-    return {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "encoding_format": "float",
-    }
+    return user_request(
+        [image_part(image_png(index))], "Describe the image.", encoding_format="float"
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from harness.paths import cache_root
 
@@ -232,23 +233,32 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
     return top
 
 
-def processor_configs() -> dict[str, dict[str, object]]:
-    common: dict[str, object] = {
+def processor_common(
+    mean: list[float], std: list[float], patch: int, merge: int
+) -> dict[str, object]:
+    """The fields the image and video processor configs of a tiny Qwen-VL share."""
+    return {
         "do_convert_rgb": True,
         "do_normalize": True,
         "do_rescale": True,
         "do_resize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_mean": mean,
+        "image_std": std,
         "rescale_factor": 1 / 255,
         "resample": 3,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "patch_size": PATCH,
-        "merge_size": MERGE,
+        "patch_size": patch,
+        "merge_size": merge,
         "temporal_patch_size": 2,
     }
+
+
+def processor_configs() -> dict[str, dict[str, object]]:
+    common = processor_common(
+        [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711], PATCH, MERGE
+    )
+    common["min_pixels"] = MIN_PIXELS
+    common["max_pixels"] = MAX_PIXELS
+    common["size"] = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     image = {
         **common,
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -287,8 +297,9 @@ def is_complete(out: Path) -> bool:
     )
 
 
-def check(out: Path) -> dict[str, object]:
-    """Load the directory with transformers and measure the image token count."""
+def check_image(out: Path, merge: int) -> tuple[dict[str, object], Any]:
+    """Load the directory with transformers and measure the image token count (``merge``:
+    the model's merge size); also the tokenizer."""
     from PIL import Image
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
@@ -296,22 +307,24 @@ def check(out: Path) -> dict[str, object]:
     tok = AutoTokenizer.from_pretrained(out)
     ip = AutoImageProcessor.from_pretrained(out)
     img = Image.new("RGB", (112, 112), (10, 200, 30))
-    res = ip(images=[img], return_tensors="np")
-    grid = [int(x) for x in res["image_grid_thw"][0]]
-    n_tokens = grid[0] * grid[1] * grid[2] // (MERGE * MERGE)
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
-    )
+    grid = [int(x) for x in ip(images=[img], return_tensors="np")["image_grid_thw"][0]]
     return {
         "config": type(cfg).__name__,
         "tokenizer": type(tok).__name__,
         "image_processor": type(ip).__name__,
         "vocab": len(tok),
         "image_grid_thw": grid,
-        "image_tokens": n_tokens,
-        "prompt": prompt,
-        "prompt_ids": tok(prompt)["input_ids"],
-    }
+        "image_tokens": grid[0] * grid[1] * grid[2] // (merge * merge),
+    }, tok
+
+
+def check(out: Path) -> dict[str, object]:
+    """:func:`check_image`, and the token ids of a chat prompt."""
+    result, tok = check_image(out, MERGE)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
+    )
+    return {**result, "prompt": prompt, "prompt_ids": tok(prompt)["input_ids"]}
 
 
 def build(out: Path | None = None, *, force: bool = False) -> Path:

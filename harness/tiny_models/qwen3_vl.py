@@ -96,20 +96,8 @@ def model_config(ids: dict[str, int]) -> dict[str, object]:
 
 
 def processor_configs() -> dict[str, dict[str, object]]:
-    common: dict[str, object] = {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "rescale_factor": 1 / 255,
-        "resample": 3,
-        "patch_size": PATCH,
-        "merge_size": MERGE,
-        "temporal_patch_size": 2,
-        "processor_class": "Qwen3VLProcessor",
-    }
+    common = base.processor_common([0.5, 0.5, 0.5], [0.5, 0.5, 0.5], PATCH, MERGE)
+    common["processor_class"] = "Qwen3VLProcessor"
     image = {
         **common,
         "image_processor_type": "Qwen2VLImageProcessorFast",
@@ -133,22 +121,7 @@ def is_complete(out: Path) -> bool:
 
 
 def check(out: Path) -> dict[str, object]:
-    from PIL import Image
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-
-    cfg = AutoConfig.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    ip = AutoImageProcessor.from_pretrained(out)
-    img = Image.new("RGB", (112, 112), (10, 200, 30))
-    grid = [int(x) for x in ip(images=[img], return_tensors="np")["image_grid_thw"][0]]
-    return {
-        "config": type(cfg).__name__,
-        "tokenizer": type(tok).__name__,
-        "image_processor": type(ip).__name__,
-        "vocab": len(tok),
-        "image_grid_thw": grid,
-        "image_tokens": grid[0] * grid[1] * grid[2] // (MERGE * MERGE),
-    }
+    return base.check_image(out, MERGE)[0]
 
 
 def build(out: Path | None = None, *, force: bool = False) -> Path:

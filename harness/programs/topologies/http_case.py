@@ -31,13 +31,14 @@ from harness.payloads import (
     image_part,
     make_png,
     media_payload,
+    user_request,
     words_text,
 )
 from harness.programs.health import HealthPoller
 from harness.programs.incident import _short_body, step_names
 from harness.programs.topologies import observe
 from harness.programs.topologies.shapes import API_SERVER_MODULE, POOLING, Shape
-from harness.server import SERVED_NAME, Server
+from harness.server import Server
 
 HEALTH_INTERVAL_S = 0.5
 HEALTH_CLIENT_TIMEOUT_S = 30.0
@@ -84,15 +85,8 @@ def start_failure(log_path: Path) -> str:
 
 
 def embeddings_payload(text: str, png: bytes | None) -> dict[str, object]:
-    content: list[dict[str, object]] = []
-    if png is not None:
-        content.append(image_part(png))
-    content.append({"type": "text", "text": text})
-    return {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": content}],
-        "encoding_format": "float",
-    }
+    parts = [] if png is None else [image_part(png)]
+    return user_request(parts, text, encoding_format="float")
 
 
 def _detail(reply: Reply) -> str:
