@@ -351,12 +351,18 @@ class World:
         gc.collect()
         return sum(ref() is not None for ref in self.inputs)
 
-    async def request(self, images: list[str], long: bool = False) -> int:
-        """HTTP-like status of one chat request."""
+    def _next_prompt(self, images: list[str], long: bool) -> dict[str, Any] | None:
+        """The next request's rendered prompt; None when rendering fails (a 500)."""
         self._counter += 1
         try:
-            prompt = self.render(images, text_len=100 if long else 4)
+            return self.render(images, text_len=100 if long else 4)
         except AssertionError:
+            return None
+
+    async def request(self, images: list[str], long: bool = False) -> int:
+        """HTTP-like status of one chat request."""
+        prompt = self._next_prompt(images, long)
+        if prompt is None:
             return 500
         try:
             outputs = [
@@ -370,10 +376,8 @@ class World:
 
     async def embed(self, images: list[str], long: bool = False) -> int:
         """HTTP-like status of one pooling request (``AsyncLLM.encode``)."""
-        self._counter += 1
-        try:
-            prompt = self.render(images, text_len=100 if long else 4)
-        except AssertionError:
+        prompt = self._next_prompt(images, long)
+        if prompt is None:
             return 500
         try:
             async for _ in self.engine.encode(prompt, None, f"embed-{self._counter}"):

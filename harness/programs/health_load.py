@@ -43,7 +43,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,6 +270,21 @@ def phase_utility(url: str, sleep_s: float = UTILITY_SLEEP_S) -> dict[str, Any]:
     }
 
 
+def _detect_and_release(
+    poller: Poller, url: str, trigger: Path, started: float, limit: float, out: dict[str, Any]
+) -> float:
+    """Into ``out``: the first 503 within ``limit`` s of ``started``, the plugin's metrics
+    then, and (once ``trigger`` is removed) the first 200. Returns when it was removed."""
+    bad = poller.wait_first(503, started, limit)
+    out["detected_s"] = round(bad.at - started, 2) if bad else None
+    out["metrics_while_stuck"] = _plugin_metrics(url)
+    trigger.unlink()
+    released = time.monotonic()
+    good = poller.wait_first(200, released, 30)
+    out["recovered_s"] = round(good.at - released, 2) if good else None
+    return released
+
+
 def phase_stuck_step(
     url: str, trigger_dir: Path, plugin: bool, timeout_s: float = STEP_TIMEOUT_S
 ) -> dict[str, Any]:
@@ -283,13 +298,7 @@ def phase_stuck_step(
         started = time.monotonic()
         request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 1, 2)))
         request.start()
-        bad = poller.wait_first(503, started, limit)
-        out["detected_s"] = round(bad.at - started, 2) if bad else None
-        out["metrics_while_stuck"] = _plugin_metrics(url)
-        trigger.unlink()
-        released = time.monotonic()
-        good = poller.wait_first(200, released, 30)
-        out["recovered_s"] = round(good.at - released, 2) if good else None
+        released = _detect_and_release(poller, url, trigger, started, limit, out)
         request.join(200)
         stuck = [p for p in poller.polls if started <= p.at <= released]
     long_step = [p for p in stuck if p.at <= started + LONG_STEP_S]
@@ -349,13 +358,7 @@ def _injected_stall(
         threads = [threading.Thread(target=lambda c=c: results.append(c())) for c in calls]
         for thread in threads:
             thread.start()
-        bad = poller.wait_first(503, started, limit)
-        out["detected_s"] = round(bad.at - started, 2) if bad else None
-        out["metrics_while_stuck"] = _plugin_metrics(url)
-        trigger.unlink()
-        released = time.monotonic()
-        good = poller.wait_first(200, released, 30)
-        out["recovered_s"] = round(good.at - released, 2) if good else None
+        released = _detect_and_release(poller, url, trigger, started, limit, out)
         for thread in threads:
             thread.join(join_s)
         healthy = [p for p in poller.polls if before <= p.at < started]
@@ -610,6 +613,24 @@ def _server_env(venv: Path, plugin: bool, extra: dict[str, str]) -> dict[str, st
     return env
 
 
+@contextlib.contextmanager
+def _serving(run: Run, server: Server) -> Iterator[None]:
+    """``server`` started, and stopped at the end; an exception meanwhile is the run's error."""
+    try:
+        server.start()
+        yield
+    except Exception as exc:  # noqa: BLE001 - kept in the result
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        server.stop()
+
+
+def _finished(run: Run, log: Path) -> Run:
+    run.log_scan = scan_log(log)
+    run.finished_at = time.strftime("%Y-%m-%d %H:%M:%S")
+    return run
+
+
 def run_serve(
     venv: Path,
     variant: str,
@@ -647,8 +668,7 @@ def run_serve(
         )
         model = tiny_models.ensure_model(venv)
         server = Server(venv, model, log, env=env, lock=lock, extra_args=list(args))
-        try:
-            server.start()
+        with _serving(run, server):
             run.startup_s = round(server.wait_ready(600), 1)
             run.started = True
             assert server.proc is not None
@@ -670,13 +690,7 @@ def run_serve(
                 run.phases[name] = steps[name]()
                 print(f"[health-load] {run.key} {name}: {run.phases[name]}", flush=True)
             run.phases["metrics_end"] = _plugin_metrics(url)
-        except Exception as exc:  # noqa: BLE001 - kept in the result
-            run.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            server.stop()
-    run.log_scan = scan_log(log)
-    run.finished_at = time.strftime("%Y-%m-%d %H:%M:%S")
-    return run
+    return _finished(run, log)
 
 
 def run_incident_case(venv: Path, variant: str, *, lock: ServerLock) -> Run:
@@ -727,9 +741,7 @@ def run_incident_case(venv: Path, variant: str, *, lock: ServerLock) -> Run:
         "metrics": inspection.get("metrics", {}),
         "steps": [[s.step, s.status, s.timed_out] for s in result.steps],
     }
-    run.log_scan = scan_log(Path(result.log_path))
-    run.finished_at = time.strftime("%Y-%m-%d %H:%M:%S")
-    return run
+    return _finished(run, Path(result.log_path))
 
 
 TOPOLOGIES: dict[str, tuple[list[str], int]] = {
@@ -750,8 +762,7 @@ def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
     model = tiny_models.ensure_model(venv)
     args, engines = TOPOLOGIES[variant]
     server = Server(venv, model, log, env=env, lock=lock, extra_args=args)
-    try:
-        server.start()
+    with _serving(run, server):
         assert server.proc is not None
         started = time.monotonic()
         # Ready without /health: /metrics answers once an API server serves.
@@ -774,13 +785,7 @@ def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
             "metrics": {k: v for k, v in (seen or {}).items() if "_bucket" not in k},
             "healths": sorted({str(s) for s in healths}),
         }
-    except Exception as exc:  # noqa: BLE001 - kept in the result
-        run.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        server.stop()
-    run.log_scan = scan_log(log)
-    run.finished_at = time.strftime("%Y-%m-%d %H:%M:%S")
-    return run
+    return _finished(run, log)
 
 
 # ----------------------------------------------------------------------------- results

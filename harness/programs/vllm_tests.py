@@ -324,19 +324,26 @@ def wait_for_venv(version: str, timeout_s: float = 0.0, poll_s: float = 15.0) ->
         time.sleep(poll_s)
 
 
+def _python_output(
+    python: Path, code: str, *args: str, timeout: float, env: dict[str, str] | None = None
+) -> str:
+    """What ``python -c code args`` prints (CalledProcessError when it fails)."""
+    return subprocess.run(
+        [str(python), "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=timeout,
+        env=env,
+    ).stdout
+
+
 def _missing_modules(python: Path, modules: Iterable[str]) -> list[str]:
     code = (
         "import importlib.util, json, sys\n"
         "print(json.dumps([m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]))\n"
     )
-    proc = subprocess.run(
-        [str(python), "-c", code, *modules],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return list(json.loads(proc.stdout))
+    return list(json.loads(_python_output(python, code, *modules, timeout=120)))
 
 
 def ensure_test_requirements(venv: Path) -> list[str]:
@@ -389,13 +396,9 @@ def tests_complete(version: str) -> bool:
 
 def _sdist_tools(python: Path) -> Path:
     """A ``--target`` directory with the build tools vLLM's setup.py imports."""
-    tag = subprocess.run(
-        [str(python), "-c", "import sys; print('py%d%d' % sys.version_info[:2])"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.strip()
+    tag = _python_output(
+        python, "import sys; print('py%d%d' % sys.version_info[:2])", timeout=60
+    ).strip()
     target = tests_root() / ".sdist-tools" / tag
     data = _read_json(target / TOOLS_MARKER)
     if data is not None and data.get("requirements") == list(SDIST_TOOLS):
@@ -532,15 +535,9 @@ def _import_errors(python: Path, modules: Sequence[str]) -> dict[str, str]:
         "        errors[name] = f'{type(exc).__name__}: {exc}'\n"
         "print(json.dumps(errors))\n"
     )
-    proc = subprocess.run(
-        [str(python), "-c", code, *modules],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""},
-    )
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": ""}
+    out = _python_output(python, code, *modules, timeout=300, env=env)
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def standin_configs(python: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

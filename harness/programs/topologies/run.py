@@ -12,8 +12,10 @@ holders can interleave between cases.
 from __future__ import annotations
 
 import datetime
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,29 +74,19 @@ def run_case(
         env = environment.case_env(shape, venv, version, plugin=plugin, stuck=stuck)
         log = new_log_path(f"topo-{shape.name}-{version}-{tag}")
         _log(f"{shape.name} {version} {tag}: log {log}")
+        case: Callable[..., dict[str, Any]] = run_program_case
         if shape.is_http:
-            rec = run_http_case(
-                shape,
-                venv,
-                model,
-                log,
-                env,
-                lock=lock,
-                n_images=n_images,
-                request_timeout=request_timeout,
-                pooling_requests=pooling_requests,
-            )
-        else:
-            rec = run_program_case(
-                shape,
-                venv,
-                model,
-                log,
-                env,
-                lock=lock,
-                n_images=n_images,
-                request_timeout=request_timeout,
-            )
+            case = functools.partial(run_http_case, pooling_requests=pooling_requests)
+        rec = case(
+            shape,
+            venv,
+            model,
+            log,
+            env,
+            lock=lock,
+            n_images=n_images,
+            request_timeout=request_timeout,
+        )
     rec.update(extra)
     rec["env"] = sorted(k for k in env if k != "VLLM_PLUGINS") + (
         [] if plugin else ["VLLM_PLUGINS (plugin kept out)"]

@@ -70,9 +70,7 @@ def _engine_core(module: ModuleType) -> None:
 
         def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
             seconds = UTILITY_SLEEP or _trigger_seconds("slow-utility")
-            if seconds:
-                _say(f"reset_prefix_cache sleeps {seconds:g} s")
-                time.sleep(seconds)
+            _pause(seconds, f"reset_prefix_cache sleeps {seconds:g} s")
             return reset(self, *args, **kwargs)
 
         core.reset_prefix_cache = reset_prefix_cache
@@ -86,6 +84,13 @@ def _trigger_seconds(name: str) -> float:
         return float((TRIGGERS / name).read_text() or 0)
     except (OSError, ValueError):
         return 0.0
+
+
+def _pause(seconds: float, text: str) -> None:
+    """Say ``text`` and sleep ``seconds``, when they are not 0."""
+    if seconds:
+        _say(text)
+        time.sleep(seconds)
 
 
 def _burn(seconds: float) -> int:
@@ -263,9 +268,7 @@ def _structured_output(module: ModuleType) -> None:
 
     def _create_grammar(self: Any, *args: Any, **kwargs: Any) -> Any:
         seconds = _trigger_seconds("slow-grammar")
-        if seconds:
-            _say(f"grammar compilation takes {seconds:g} s longer")
-            time.sleep(seconds)
+        _pause(seconds, f"grammar compilation takes {seconds:g} s longer")
         return create(self, *args, **kwargs)
 
     cls._create_grammar = _create_grammar
