@@ -250,14 +250,24 @@ def assert_serialisable(d: Diagnosis) -> None:
     assert render(d)
 
 
-def diagnose_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m vllm_mmcache_fix diagnose ARGS`` with this checkout's package."""
+def plugin_cli(
+    *args: str, timeout: float = 90, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python -m vllm_mmcache_fix ARGS`` with this checkout's package, the environment
+    variables ``unset`` removed."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    for name in unset:
+        env.pop(name, None)
     return subprocess.run(
-        [sys.executable, "-m", "vllm_mmcache_fix", "diagnose", *args],
+        [sys.executable, "-m", "vllm_mmcache_fix", *args],
         capture_output=True,
         text=True,
         env=env,
-        timeout=90,
+        timeout=timeout,
         check=False,
     )
+
+
+def diagnose_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m vllm_mmcache_fix diagnose ARGS`` with this checkout's package."""
+    return plugin_cli("diagnose", *args)

@@ -435,6 +435,17 @@ def wheel_of(args: argparse.Namespace) -> Path | None:
     return KEEP
 
 
+@contextlib.contextmanager
+def venv_held(
+    args: argparse.Namespace, *, make: bool = False, purpose: str = ""
+) -> Iterator[tuple[Path, ServerLock]]:
+    """The venv the options name (:func:`venv_of`) and the server lock, held with the venv's
+    plugin as the options ask (:func:`wheel_of`, :func:`plugin_state`, ``--lock-timeout``)."""
+    venv = venv_of(args, make=make)
+    with plugin_state(venv, wheel_of(args), timeout=args.lock_timeout, purpose=purpose) as lock:
+        yield venv, lock
+
+
 def write_json(path: Path | None, data: object) -> None:
     """``data`` (a dataclass or JSON-able) as indented JSON, when a path is given."""
     if path is None:

@@ -111,13 +111,18 @@ def _python_for_build() -> str:
 # --------------------------------------------------------------------------- steps
 
 
+def _remove(path: Path) -> None:
+    """Remove the directory ``path`` and what it holds, if it is there."""
+    if path.exists():
+        shutil.rmtree(path)
+
+
 def _venv(root: Path) -> Path:
     venv = root / "venv"
     marker = venv / ".bootstrap-complete"
     if marker.exists():
         return venv
-    if venv.exists():
-        shutil.rmtree(venv)
+    _remove(venv)
     _run([_python_for_build(), "-m", "venv", str(venv)])
     # Enough to read the sdist's metadata (its setup.py imports torch, setuptools_rust
     # and setuptools_scm); the exact torch follows once the sdist says which.
@@ -162,11 +167,9 @@ def _unpack(root: Path, sdist: Path, version: str) -> Path:
     marker = src / ".mmcache-fix-unpacked"
     if marker.exists():
         return src
-    if src.exists():
-        shutil.rmtree(src)
+    _remove(src)
     tmp = root / "src.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir(parents=True)
     with tarfile.open(sdist) as tf:
         tf.extractall(tmp, filter="data")
@@ -235,8 +238,7 @@ def _onednn(tag: str, git_dir: Path | None) -> tuple[Path, str]:
         text=True,
     ).stdout.strip()
     tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir(parents=True)
     archive = subprocess.Popen(
         ["git", "--git-dir", str(git_dir), "archive", "--format=tar", commit],
@@ -246,8 +248,7 @@ def _onednn(tag: str, git_dir: Path | None) -> tuple[Path, str]:
     if archive.wait() != 0:
         raise RuntimeError(f"git archive of oneDNN {tag} failed")
     (tmp / ".mmcache-fix-commit").write_text(commit + "\n")
-    if dest.exists():
-        shutil.rmtree(dest)
+    _remove(dest)
     tmp.rename(dest)
     return dest, commit
 
@@ -263,8 +264,7 @@ def _cuda_shim(root: Path, venv: Path) -> Path:
     if not cu:
         raise RuntimeError(f"{venv}: torch installed no nvidia/cuXX runtime package")
     shim = root / "cuda-shim"
-    if shim.exists():
-        shutil.rmtree(shim)
+    _remove(shim)
     (shim / "lib64").mkdir(parents=True)
     (shim / "include").symlink_to(cu[-1] / "include")
     for lib in sorted((cu[-1] / "lib").glob("*.so.*")):
@@ -455,8 +455,7 @@ def build(
         return src
 
     dist = root / "dist"
-    if dist.exists():
-        shutil.rmtree(dist)
+    _remove(dist)
     env = dict(
         os.environ,
         # The build venv's cmake and ninja (vLLM needs CMake >= 3.26; Debian 12 has 3.25).

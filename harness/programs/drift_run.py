@@ -261,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
 
-    venv = runner.venv_of(args)
-    with runner.plugin_state(
-        venv, runner.wheel_of(args), timeout=args.lock_timeout, purpose="drift run"
-    ) as lock:
+    with runner.venv_held(args, purpose="drift run") as (venv, lock):
         run = run_mixed(
             venv,
             requests=args.requests,

@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
-    venv = runner.venv_of(args, make=True)
     runs = []
-    with runner.plugin_state(venv, runner.wheel_of(args), timeout=args.lock_timeout) as lock:
+    with runner.venv_held(args, make=True) as (venv, lock):
         for disable in (False, True):
             run = measure(
                 venv,

@@ -357,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-going", action="store_true", help="send all requests after a hang")
     args = ap.parse_args(argv)
 
-    venv = runner.venv_of(args, make=True)
-    with runner.plugin_state(venv, runner.wheel_of(args), timeout=args.lock_timeout) as lock:
+    with runner.venv_held(args, make=True) as (venv, lock):
         result = run_incident(
             venv,
             args.model,

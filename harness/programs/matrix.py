@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harness import commits, sources
+from harness import budget, commits, sources
 from harness.logscan import supported_tasks
 from harness.paths import REPO_ROOT
 from harness.records import DocBlock, load_record, write_json
@@ -527,12 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=None, metavar="VERSION")
     ap.add_argument("--releases", nargs="*", default=None, help="replace the default list")
     ap.add_argument("--keep", action="store_true", help="keep the venvs")
-    ap.add_argument("--budget-minutes", type=float, default=None)
-    ap.add_argument(
+    budget.add_options(
+        ap,
         "--release-minutes",
-        type=float,
-        default=15.0,
-        help="expected minutes per release (no release starts unless this fits the budget)",
+        15.0,
+        "expected minutes per release (no release starts unless this fits the budget)",
     )
     ap.add_argument("--drift-requests", type=int, default=60)
     ap.add_argument(
@@ -593,14 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     # Its own copy of the tiny model, built by this checkout's builder (the shared copy
     # may predate the text config's "architectures" that transformers 4.57 needs).
     model = args.model or tiny_models.default_out().with_name("tiny-qwen2-vl-matrix")
-    deadline = (
-        time.monotonic() + args.budget_minutes * 60 if args.budget_minutes is not None else None
-    )
+    time_left = budget.Budget(args.budget_minutes)
     failures = 0
     with tempfile.TemporaryDirectory(prefix="matrix-wheel-") as tmp:
         wheel = build_wheel(Path(tmp))
         for version in todo:
-            if deadline is not None and time.monotonic() + args.release_minutes * 60 > deadline:
+            if not time_left.fits(args.release_minutes):
                 _log(f"time budget spent: stopping before {version}")
                 break
             _log(f"{version}: start")

@@ -391,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-going", action="store_true", help="keep sending after a timeout")
     args = parser.parse_args(argv)
 
-    venv = runner.venv_of(args)
-    with runner.plugin_state(
-        venv, runner.wheel_of(args), timeout=args.lock_timeout, purpose="soak"
-    ) as lock:
+    with runner.venv_held(args, purpose="soak") as (venv, lock):
         result = run_soak(
             venv,
             args.requests,

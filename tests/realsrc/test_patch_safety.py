@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from harness import realsrc
+from harness.children import plugin_cli
 from harness.paths import REPO_ROOT
 from vllm_mmcache_fix.tools import source_patch
 from vllm_mmcache_fix.tools.source_patch import operation
@@ -60,16 +61,7 @@ def _symlinked_tree(tmp_path: Path, target: str) -> tuple[Path, Path, Path]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    env.pop("MMCACHE_FIX_PATCHES_DIR", None)
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_mmcache_fix", "patch", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    return plugin_cli("patch", *args, timeout=120, unset=("MMCACHE_FIX_PATCHES_DIR",))
 
 
 # --------------------------------------------------------------------------- concurrent runs

@@ -26,10 +26,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from harness import budget
 from harness.programs.topologies import record, table
 from harness.programs.topologies.shapes import (
     CI_FORK_SHAPE,
@@ -77,12 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"runs wanted per shape and release (default {REPEATS} on {REPEAT_VERSION}, "
         "1 elsewhere)",
     )
-    ap.add_argument("--budget-minutes", type=float, default=None)
-    ap.add_argument(
+    budget.add_options(
+        ap,
         "--run-minutes",
-        type=float,
-        default=8.0,
-        help="expected minutes of one run (no run starts unless this fits the budget)",
+        8.0,
+        "expected minutes of one run (no run starts unless this fits the budget)",
     )
     ap.add_argument("--refresh-older-than", default=None, metavar="COMMIT")
     ap.add_argument(
@@ -166,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                 retry_unverified=args.retry_unverified,
             )
     _log(f"plugin commit {commit[:12]}; runs to do: {len(todo)}: {todo}")
-    deadline = None if args.budget_minutes is None else time.monotonic() + args.budget_minutes * 60
+    time_left = budget.Budget(args.budget_minutes)
     done: list[dict[str, Any]] = []
     failures = 0
     with tempfile.TemporaryDirectory(prefix="topologies-wheel-") as tmp:
         wheel = build_wheel(Path(tmp))
         for name, version in todo:
-            if deadline is not None and time.monotonic() + args.run_minutes * 60 > deadline:
+            if not time_left.fits(args.run_minutes):
                 _log(f"time budget spent: stopping before {name} {version}")
                 break
             venv = complete_venv(version)
