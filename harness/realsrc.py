@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -62,41 +62,23 @@ def available_versions() -> list[str]:
     return [v for v in VERSIONS if sources.vllm_complete(v)]
 
 
-def _complete_or_fetched(
-    directory: Path,
-    complete: bool,
-    ensure: Callable[[], Path],
-    *,
-    fetch: bool,
-    what: str,
-    missing: str,
-    hint: str = "",
-) -> Path:
-    """``directory`` when ``complete``; else what ``ensure`` fetches, unless fetching is off.
-    :class:`SourcesUnavailable` says ``missing`` (fetching off) or that ``what`` could not
-    be fetched, each followed by ``hint``."""
-    if complete:
-        return directory
-    if not fetch or offline():
-        raise SourcesUnavailable(missing + hint)
-    try:
-        return ensure()
-    except RuntimeError as exc:
-        raise SourcesUnavailable(f"{what} could not be fetched ({exc}){hint}") from exc
-
-
 def source_root(version: str, *, fetch: bool = True) -> Path:
     """Directory holding ``vllm/...`` of a release, fetching it first when needed."""
     directory = sources.vllm_source_dir(version)
-    return _complete_or_fetched(
-        directory,
-        sources.vllm_complete(version),
-        lambda: sources.ensure_vllm_sources(version),
-        fetch=fetch,
-        what=f"sources of vllm {version}",
-        missing=f"sources of vllm {version} are not in {directory} and fetching is disabled",
-        hint=f"; run: scripts/fetch-sources {version}",
-    )
+    if sources.vllm_complete(version):
+        return directory
+    if not fetch or offline():
+        raise SourcesUnavailable(
+            f"sources of vllm {version} are not in {directory} and fetching is disabled; "
+            f"run: scripts/fetch-sources {version}"
+        )
+    try:
+        return sources.ensure_vllm_sources(version)
+    except RuntimeError as exc:
+        raise SourcesUnavailable(
+            f"sources of vllm {version} could not be fetched ({exc}); "
+            f"run: scripts/fetch-sources {version}"
+        ) from exc
 
 
 def source_file(version: str, relpath: str) -> Path:
@@ -111,15 +93,17 @@ def has_file(version: str, relpath: str) -> bool:
 def cachetools_path(version: str, *, fetch: bool = True) -> Path:
     """A ``PYTHONPATH`` entry providing exactly cachetools ``version``."""
     directory = sources.cachetools_dir(version)
-    return _complete_or_fetched(
-        directory,
-        sources.cachetools_complete(version),
-        lambda: sources.ensure_cachetools(version),
-        fetch=fetch,
-        what=f"cachetools {version}",
-        missing=f"cachetools {version} is not in {directory} and fetching is disabled; "
-        f"run: scripts/fetch-sources --no-vllm --cachetools {version}",
-    )
+    if sources.cachetools_complete(version):
+        return directory
+    if not fetch or offline():
+        raise SourcesUnavailable(
+            f"cachetools {version} is not in {directory} and fetching is disabled; "
+            f"run: scripts/fetch-sources --no-vllm --cachetools {version}"
+        )
+    try:
+        return sources.ensure_cachetools(version)
+    except RuntimeError as exc:
+        raise SourcesUnavailable(f"cachetools {version} could not be fetched ({exc})") from exc
 
 
 # --------------------------------------------------------------------------- AST helpers
