@@ -210,13 +210,11 @@ def watched_replay(
 
     with runner.plugin_state(venv, servers.wheel, purpose="0.23.0 replay, watched") as lock:
         with HealthPoller(base, interval=0.5, timeout=slow) as poller:
-            result = incident.run_incident(
-                venv,
+            options = incident.IncidentOptions(
                 env={ENV_HEALTH_TIMEOUT: str(HEALTH_TIMEOUT_S), **env},
                 disable_plugin=disable_plugin,
-                inspect=inspect,
                 port=port,
-                lock=lock,
                 n_images=20,
             )
+            result = incident.run_incident(venv, options=options, inspect=inspect, lock=lock)
     return WatchedReplay(result, poller)

@@ -123,7 +123,9 @@ def measure(version: str) -> dict[str, Any]:
         replay = incident.replay_on(session, first_item=1_000_000)
         after_replay = settled(session.base_url)
         out["incident_replay"] = figures(start, after_replay, len(replay.steps))
-        result = concurrent.drive(session, plan, clients=8, first_image=2_000_000)
+        result = concurrent.drive(
+            session, plan, concurrent.ConcurrentOptions(clients=8), first_image=2_000_000
+        )
         after = settled(session.base_url)
         out["concurrent"] = figures(after_replay, after, result.sent)
         out["concurrent"]["statuses"] = result.status_counts

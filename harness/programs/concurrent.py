@@ -291,97 +291,123 @@ def concurrent_spec(
     )
 
 
+@dataclass(frozen=True)
+class ConcurrentOptions:
+    """The options of one concurrent run (:func:`run_concurrent`; :func:`drive` uses those
+    of the load, from ``clients`` to ``progress``)."""
+
+    requests: int = DEFAULT_REQUESTS
+    clients: int = DEFAULT_CLIENTS
+    """Threads sending at the same time."""
+    seed: int = 7
+    """The seed of the request plan (:func:`plan_requests`)."""
+    plan_name: str = "mixed"
+    """A name of :data:`PLANS`."""
+    model_name: str = tiny_models.DEFAULT
+    request_timeout: float = 60.0
+    """Per-request timeout (s)."""
+    max_seconds: float = 1800.0
+    """Wall time of the load."""
+    startup_timeout: float = 300.0
+    cpu_seconds: float = 3.0
+    """How long the CPU use of the server's processes is measured after the load."""
+    settle_seconds: float = 1.5
+    """The pause between the load and that measurement."""
+    stop_after_timeout: bool = True
+    """Stop sending at the first timeout."""
+    log_path: Path | None = None
+    """The server log file (default: one of the runner's)."""
+    key: str = ""
+    """The run's key in the records (default: version, plan, clients and plugin)."""
+    lock_timeout: float | None = None
+    """Seconds to wait for the server lock (None: as long as it takes)."""
+    video: bool | None = None
+    """Video requests in the plan (None: when the model and this machine allow them)."""
+    warmup: int | None = None
+    """Requests sent first, ``clients`` at a time, and not counted (default
+    ``2 * clients``): the first batches of a fresh server wait for its warm-up, seconds
+    that would otherwise decide the p99 of a short run. Their images are not in the plan."""
+    progress: bool = False
+    """Print progress lines on stderr."""
+    env: dict[str, str] | None = None
+    """More server environment (a release's :func:`harness.server.preload_env`)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ConcurrentOptions:
+        """The options of :func:`main`'s command line that every run shares (with progress
+        lines); each run sets its ``clients``, ``plan_name`` and ``key``."""
+        return cls(
+            requests=args.requests,
+            seed=args.seed,
+            plan_name=args.plan,
+            model_name=args.model,
+            request_timeout=args.timeout,
+            max_seconds=args.max_seconds,
+            stop_after_timeout=not args.keep_going,
+            progress=True,
+        )
+
+
 def run_concurrent(
     venv: Path,
+    options: ConcurrentOptions = ConcurrentOptions(),
     *,
     plugin: bool,
-    requests: int = DEFAULT_REQUESTS,
-    clients: int = DEFAULT_CLIENTS,
-    seed: int = 7,
-    plan_name: str = "mixed",
-    model_name: str = tiny_models.DEFAULT,
-    request_timeout: float = 60.0,
-    max_seconds: float = 1800.0,
-    startup_timeout: float = 300.0,
-    cpu_seconds: float = 3.0,
-    settle_seconds: float = 1.5,
-    stop_after_timeout: bool = True,
-    log_path: Path | None = None,
     record: JsonLines | None = None,
-    key: str = "",
     lock: ServerLock | None = None,
-    lock_timeout: float | None = None,
-    video: bool | None = None,
-    warmup: int | None = None,
-    progress: bool = False,
-    env: dict[str, str] | None = None,
 ) -> ConcurrentResult:
-    """One server (plugin kept out unless ``plugin``), ``requests`` requests from
-    ``clients`` threads, measured; the server is stopped before this returns.
+    """One server (plugin kept out unless ``plugin``), ``options.requests`` requests from
+    ``options.clients`` threads, measured; the server is stopped before this returns.
 
-    ``warmup``: requests sent first, ``clients`` at a time, and not counted (default
-    ``2 * clients``): the first batches of a fresh server wait for its warm-up, seconds
-    that would otherwise decide the p99 of a short run. Their images are not in the plan.
-    ``env``: more server environment (a release's :func:`harness.server.preload_env`).
+    ``record``: where the run's lines are appended; ``lock``: the server lock, when the
+    caller holds it already.
     """
-    plan = plan_requests(requests, seed, plan_name, video=video, model=model_name)
+    o = options
+    plan = plan_requests(o.requests, o.seed, o.plan_name, video=o.video, model=o.model_name)
     spec = concurrent_spec(
         venv,
         plan,
         plugin=plugin,
-        model_name=model_name,
-        startup_timeout=startup_timeout,
-        log_path=log_path,
-        env=env,
+        model_name=o.model_name,
+        startup_timeout=o.startup_timeout,
+        log_path=o.log_path,
+        env=o.env,
     )
     if plugin and venv_dist_version(Path(venv), PLUGIN_DIST) is None:
         raise RuntimeError(f"the plugin is not installed in {venv} (use --plugin-wheel)")
-    session = runner.Session(spec, lock=lock, lock_timeout=lock_timeout)
+    session = runner.Session(spec, lock=lock, lock_timeout=o.lock_timeout)
     record = record or JsonLines(None)
-    return drive(
-        session,
-        plan,
-        clients=clients,
-        seed=seed,
-        plan_name=plan_name,
-        request_timeout=request_timeout,
-        max_seconds=max_seconds,
-        cpu_seconds=cpu_seconds,
-        settle_seconds=settle_seconds,
-        stop_after_timeout=stop_after_timeout,
-        record=record,
-        key=key,
-        warmup=warmup,
-        progress=progress,
-        own_server=True,
-    )
+    return drive(session, plan, o, record=record, own_server=True)
 
 
 def drive(
     session: runner.Session,
     plan: list[Planned],
+    options: ConcurrentOptions = ConcurrentOptions(),
     *,
-    clients: int = DEFAULT_CLIENTS,
-    seed: int = 7,
-    plan_name: str = "mixed",
-    request_timeout: float = 60.0,
-    max_seconds: float = 1800.0,
-    cpu_seconds: float = 3.0,
-    settle_seconds: float = 1.5,
-    stop_after_timeout: bool = True,
     record: JsonLines | None = None,
-    key: str = "",
-    warmup: int | None = None,
-    progress: bool = False,
     own_server: bool = False,
     first_image: int = 0,
 ) -> ConcurrentResult:
-    """``plan`` from ``clients`` threads against the session's server, measured.
+    """``plan`` from ``options.clients`` threads against the session's server, measured.
 
     ``own_server``: start the server first and stop it afterwards (else it runs
     already and keeps running; its process table then covers its whole life).
     ``first_image``: added to every image index (a shared server gets new images).
     """
+    o = options
+    clients, seed, plan_name, key = o.clients, o.seed, o.plan_name, o.key
+    request_timeout, max_seconds, warmup, progress = (
+        o.request_timeout,
+        o.max_seconds,
+        o.warmup,
+        o.progress,
+    )
+    cpu_seconds, settle_seconds, stop_after_timeout = (
+        o.cpu_seconds,
+        o.settle_seconds,
+        o.stop_after_timeout,
+    )
     record = record or JsonLines(None)
     model_name = session.spec.model_name
     plugin = session.spec.plugin
@@ -721,6 +747,7 @@ def main(argv: list[str] | None = None, *, bench: bool = False) -> int:
             print(f"no venv at {venv}", file=sys.stderr)
             return 2
     client_counts = [int(k) for k in str(args.clients).replace(",", " ").split()]
+    base = ConcurrentOptions.from_args(args)
     args.record = record = JsonLines(args.jsonl)
     done = record.summaries() if args.resume else {}
     status = 0
@@ -738,21 +765,9 @@ def main(argv: list[str] | None = None, *, bench: bool = False) -> int:
                     if key in done:
                         results[(plan, rnd, label)] = done[key]
                         continue
+                    options = dataclasses.replace(base, clients=clients, plan_name=plan, key=key)
                     res = run_concurrent(
-                        venv,
-                        plugin=label == "plugin",
-                        requests=args.requests,
-                        clients=clients,
-                        seed=args.seed,
-                        plan_name=plan,
-                        model_name=args.model,
-                        request_timeout=args.timeout,
-                        max_seconds=args.max_seconds,
-                        stop_after_timeout=not args.keep_going,
-                        record=record,
-                        key=key,
-                        lock=lock,
-                        progress=True,
+                        venv, options, plugin=label == "plugin", record=record, lock=lock
                     )
                     results[(plan, rnd, label)] = res.to_dict()
                     print(format_table([res.to_dict()]), file=sys.stderr, flush=True)

@@ -117,14 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         for label, plugin in (("WITHOUT the plugin", None), ("WITH the plugin", wheel)):
             print(f"\n=== {label} ===", flush=True)
             set_plugin(args.venv, plugin)
-            result = incident.run_incident(
-                args.venv,
+            options = incident.IncidentOptions(
                 model_name=args.model,
                 modality=args.modality,
                 n_images=args.images,
                 request_timeout=args.timeout,
-                lock=lock,
             )
+            result = incident.run_incident(args.venv, options=options, lock=lock)
             print(incident.format_result(result), flush=True)
             runs.append(result)
     before, after = runs

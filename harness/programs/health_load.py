@@ -715,9 +715,8 @@ def run_incident_case(venv: Path, variant: str, *, lock: ServerLock) -> Run:
         }
 
     with Poller(base, interval=0.5, timeout=5.0) as poller:
-        result = incident.run_incident(
-            venv, env=env, inspect=inspect_server, port=port, lock=lock, request_timeout=20.0
-        )
+        options = incident.IncidentOptions(env=env, port=port, request_timeout=20.0)
+        result = incident.run_incident(venv, options=options, inspect=inspect_server, lock=lock)
     run.log = result.log_path
     run.started = result.started
     run.startup_s = result.startup_s or 0.0

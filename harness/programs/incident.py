@@ -113,38 +113,73 @@ def new_item_steps(result: RunResult) -> list[StepResult]:
     return [s for s in result.steps if s.step.startswith(prefix)]
 
 
+@dataclass(frozen=True)
+class IncidentOptions:
+    """The options of one replay on a new server (:func:`spec`, :func:`run_incident`)."""
+
+    model_name: str = tiny_models.DEFAULT
+    """A :mod:`harness.tiny_models` name."""
+    modality: str = "image"
+    """``"image"`` or ``"video"`` (the server then also allows one video per prompt)."""
+    n_images: int = 20
+    """New items in step c."""
+    request_timeout: float = 20.0
+    """Per-request timeout (s); a timeout marks a hang."""
+    startup_timeout: float = 180.0
+    log_path: Path | None = None
+    """The server log file (default: one of the runner's)."""
+    stop_after_hang: bool = True
+    """Send no more requests once one timed out."""
+    spin_seconds: float = 2.0
+    """How long the EngineCore's threads are sampled, before and after the load."""
+    extra_args: list[str] | None = None
+    """More ``vllm serve`` arguments."""
+    env: dict[str, str] | None = None
+    """More environment variables of the server."""
+    disable_plugin: bool = False
+    """Keep an installed plugin from loading."""
+    port: int | None = None
+    """The server's port (default: a free one), for a caller that watches the server
+    meanwhile."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> IncidentOptions:
+        """The options of :func:`main`'s command line."""
+        return cls(
+            model_name=args.model_name,
+            modality=args.modality,
+            n_images=args.images,
+            request_timeout=args.timeout,
+            startup_timeout=args.startup_timeout,
+            log_path=args.log,
+            stop_after_hang=not args.keep_going,
+            disable_plugin=args.disable_plugin,
+        )
+
+
 def spec(
-    venv: Path,
-    model: Path | None = None,
-    *,
-    model_name: str = tiny_models.DEFAULT,
-    modality: str = "image",
-    extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    disable_plugin: bool = False,
-    startup_timeout: float = 180.0,
-    log_path: Path | None = None,
-    port: int | None = None,
+    venv: Path, model: Path | None = None, options: IncidentOptions = IncidentOptions()
 ) -> runner.ServerSpec:
     """The replay's server: ``modality="video"`` also allows one video per prompt."""
-    if modality not in MODALITIES:
-        raise ValueError(f"unknown modality {modality!r}; known: {MODALITIES}")
-    if modality == "video" and not tiny_models.supports_video(model_name):
-        raise ValueError(f"model {model_name!r} is not served with video here")
-    label = "" if model_name == tiny_models.DEFAULT else f"-{model_name}"
-    label += "-video" if modality == "video" else ""
-    video = VIDEO_LIMIT_ARGS if modality == "video" else []
+    o = options
+    if o.modality not in MODALITIES:
+        raise ValueError(f"unknown modality {o.modality!r}; known: {MODALITIES}")
+    if o.modality == "video" and not tiny_models.supports_video(o.model_name):
+        raise ValueError(f"model {o.model_name!r} is not served with video here")
+    label = "" if o.model_name == tiny_models.DEFAULT else f"-{o.model_name}"
+    label += "-video" if o.modality == "video" else ""
+    video = VIDEO_LIMIT_ARGS if o.modality == "video" else []
     return runner.ServerSpec(
         Path(venv),
-        model_name=model_name,
+        model_name=o.model_name,
         model=model,
-        args=[*video, *(extra_args or [])],
-        env=dict(env or {}),
-        plugin=not disable_plugin,
+        args=[*video, *(o.extra_args or [])],
+        env=dict(o.env or {}),
+        plugin=not o.disable_plugin,
         name=f"e2e{label}",
-        log_path=log_path,
-        port=port,
-        startup_timeout=startup_timeout,
+        log_path=o.log_path,
+        port=o.port,
+        startup_timeout=o.startup_timeout,
     )
 
 
@@ -230,56 +265,30 @@ def finish(session: runner.Session, result: RunResult) -> RunResult:
 def run_incident(
     venv: Path,
     model: Path | None = None,
+    options: IncidentOptions = IncidentOptions(),
     *,
-    model_name: str = tiny_models.DEFAULT,
-    modality: str = "image",
-    n_images: int = 20,
-    request_timeout: float = 20.0,
-    startup_timeout: float = 180.0,
-    log_path: Path | None = None,
-    stop_after_hang: bool = True,
-    spin_seconds: float = 2.0,
-    extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    disable_plugin: bool = False,
     inspect: Callable[[int], object] | None = None,
     lock: ServerLock | None = None,
-    port: int | None = None,
 ) -> RunResult:
-    """Run the incident once on a new server. ``disable_plugin`` keeps an installed
-    plugin from loading.
+    """Run the incident once on a new server.
 
-    ``model_name``: a :mod:`harness.tiny_models` name (``model``, when given, is its
-    directory); ``modality``: ``"image"`` or ``"video"`` (the server then also allows
-    one video per prompt). ``inspect``: see :func:`replay`. ``lock``: the server lock,
-    when the caller holds it already (else the server takes it). ``port``: the
-    server's port (default: a free one), for a caller that watches the server meanwhile.
+    ``model``: the directory of ``options.model_name`` (default: the built one).
+    ``inspect``: see :func:`replay`. ``lock``: the server lock, when the caller holds it
+    already (else the server takes it).
     """
-    session = runner.Session(
-        spec(
-            venv,
-            model,
-            model_name=model_name,
-            modality=modality,
-            extra_args=extra_args,
-            env=env,
-            disable_plugin=disable_plugin,
-            startup_timeout=startup_timeout,
-            log_path=log_path,
-            port=port,
-        ),
-        lock=lock,
+    session = runner.Session(spec(venv, model, options), lock=lock)
+    result = RunResult(
+        model=str(session.model), model_name=options.model_name, modality=options.modality
     )
-    result = RunResult(model=str(session.model), model_name=model_name, modality=modality)
     session.record(result)
     session.run(
         lambda s: replay(
             s,
             result,
-            n_images=n_images,
-            request_timeout=request_timeout,
-            stop_after_hang=stop_after_hang,
-            spin_seconds=spin_seconds,
+            n_images=options.n_images,
+            request_timeout=options.request_timeout,
+            stop_after_hang=options.stop_after_hang,
+            spin_seconds=options.spin_seconds,
             inspect=inspect,
         )
     )
@@ -358,19 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     with runner.venv_held(args, make=True) as (venv, lock):
-        result = run_incident(
-            venv,
-            args.model,
-            model_name=args.model_name,
-            modality=args.modality,
-            n_images=args.images,
-            request_timeout=args.timeout,
-            startup_timeout=args.startup_timeout,
-            log_path=args.log,
-            stop_after_hang=not args.keep_going,
-            disable_plugin=args.disable_plugin,
-            lock=lock,
-        )
+        result = run_incident(venv, args.model, IncidentOptions.from_args(args), lock=lock)
     print(format_result(result))
     runner.write_json(args.json, result.to_dict())
     return 0 if result.started and not result.error else 1

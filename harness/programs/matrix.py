@@ -142,17 +142,12 @@ def incident_record(
     venv: Path, model: Path, lock: Any, env: dict[str, str], model_name: str = ""
 ) -> dict[str, Any]:
     from harness import tiny_models
-    from harness.programs.incident import run_incident
+    from harness.programs.incident import IncidentOptions, run_incident
 
-    r = run_incident(
-        venv,
-        model,
-        model_name=model_name or tiny_models.DEFAULT,
-        lock=lock,
-        env=env,
-        n_images=20,
-        request_timeout=20.0,
+    options = IncidentOptions(
+        model_name=model_name or tiny_models.DEFAULT, env=env, n_images=20, request_timeout=20.0
     )
+    r = run_incident(venv, model, options, lock=lock)
     steps = [
         {
             "step": s.step,
@@ -217,16 +212,10 @@ def concurrent_record(
     if runner is None:
         return {"skipped": "not available (harness.programs.concurrent has no run_concurrent)"}
     try:
-        res = runner(
-            venv,
-            plugin=plugin,
-            requests=60,
-            clients=4,
-            lock=lock,
-            request_timeout=30.0,
-            max_seconds=240.0,
-            env=env,
+        options = mod.ConcurrentOptions(
+            requests=60, clients=4, request_timeout=30.0, max_seconds=240.0, env=env
         )
+        res = runner(venv, options, plugin=plugin, lock=lock)
         data = res.to_dict()
     except Exception as exc:  # noqa: BLE001 - recorded
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}

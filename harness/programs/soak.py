@@ -193,50 +193,79 @@ def quarter_ends(n: int) -> list[int]:
     return [max(1, round(n * (q + 1) / len(QUARTERS))) for q in range(len(QUARTERS))]
 
 
-def run_soak(
-    venv: Path,
-    requests: int = DEFAULT_REQUESTS,
-    *,
-    seed: int = 7,
-    request_timeout: float = 30.0,
-    startup_timeout: float = 240.0,
-    cpu_seconds: float = 3.0,
-    settle_seconds: float = 1.0,
-    log_path: Path | None = None,
-    lock_timeout: float | None = None,
-    lock: ServerLock | None = None,
-    stop_after_timeout: bool = True,
-    env: dict[str, str] | None = None,
-    max_engine_cpu_percent: float = MAX_ENGINE_CPU_PERCENT,
-    max_rss_growth_percent: float = MAX_RSS_GROWTH_PERCENT,
-    progress: bool = False,
-) -> SoakResult:
-    """Start one server in ``venv``, send ``requests`` requests, measure, stop it.
+@dataclass(frozen=True)
+class SoakOptions:
+    """The options of one soak run (:func:`run_soak`)."""
 
-    ``stop_after_timeout``: stop sending at the first timeout (a frozen engine
-    answers nothing more, and every further request would wait the full timeout).
-    ``lock_timeout``: seconds to wait for the server lock (None: as long as it takes);
+    requests: int = DEFAULT_REQUESTS
+    seed: int = 7
+    """The seed of the request plan (:func:`harness.programs.drift_run.plan_requests`)."""
+    request_timeout: float = 30.0
+    """Per-request timeout (s)."""
+    startup_timeout: float = 240.0
+    cpu_seconds: float = 3.0
+    """How long the CPU use of the server's processes is measured after the load."""
+    settle_seconds: float = 1.0
+    """The pause between the load and that measurement."""
+    log_path: Path | None = None
+    """The server log file (default: one of the runner's)."""
+    lock_timeout: float | None = None
+    """Seconds to wait for the server lock (None: as long as it takes)."""
+    stop_after_timeout: bool = True
+    """Stop sending at the first timeout (a frozen engine answers nothing more, and every
+    further request would wait the full timeout)."""
+    env: dict[str, str] | None = None
+    """More environment variables of the server."""
+    max_engine_cpu_percent: float = MAX_ENGINE_CPU_PERCENT
+    max_rss_growth_percent: float = MAX_RSS_GROWTH_PERCENT
+    progress: bool = False
+    """Print a line on stderr at the end of each quarter."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SoakOptions:
+        """The options of :func:`main`'s command line (with progress lines)."""
+        return cls(
+            requests=args.requests,
+            seed=args.seed,
+            request_timeout=args.timeout,
+            startup_timeout=args.startup_timeout,
+            cpu_seconds=args.cpu_seconds,
+            log_path=args.log,
+            stop_after_timeout=not args.keep_going,
+            max_engine_cpu_percent=args.max_engine_cpu,
+            max_rss_growth_percent=args.max_rss_growth,
+            progress=True,
+        )
+
+
+def run_soak(
+    venv: Path, options: SoakOptions = SoakOptions(), *, lock: ServerLock | None = None
+) -> SoakResult:
+    """Start one server in ``venv``, send ``options.requests`` requests, measure, stop it.
+
     ``lock``: the server lock, when the caller holds it already.
     """
+    o = options
+    requests, request_timeout = o.requests, o.request_timeout
     if requests < len(QUARTERS):
         raise ValueError(f"requests must be at least {len(QUARTERS)}")
     spec = runner.ServerSpec(
         Path(venv),
         args=["--limit-mm-per-prompt", drift_run.TWO_IMAGES],
-        env=dict(env or {}),
+        env=dict(o.env or {}),
         name="soak",
-        log_path=log_path,
-        startup_timeout=startup_timeout,
+        log_path=o.log_path,
+        startup_timeout=o.startup_timeout,
     )
-    session = runner.Session(spec, lock=lock, lock_timeout=lock_timeout)
+    session = runner.Session(spec, lock=lock, lock_timeout=o.lock_timeout)
     result = SoakResult(
         requests=requests,
-        seed=seed,
+        seed=o.seed,
         request_timeout_s=request_timeout,
-        max_engine_cpu_percent=max_engine_cpu_percent,
-        max_rss_growth_percent=max_rss_growth_percent,
+        max_engine_cpu_percent=o.max_engine_cpu_percent,
+        max_rss_growth_percent=o.max_rss_growth_percent,
     )
-    plan = drift_run.plan_requests(requests, seed)
+    plan = drift_run.plan_requests(requests, o.seed)
     ends = quarter_ends(requests)
     by_kind: dict[str, collections.Counter[str]] = {
         k: collections.Counter() for k in drift_run.KINDS
@@ -261,7 +290,7 @@ def run_soak(
             result.count(index, kind, images, res)
             if quarter < len(ends) and result.sent == ends[quarter]:
                 s.table.sample_quarter(quarter)
-                if progress:
+                if o.progress:
                     print(
                         f"  {QUARTERS[quarter]}: {result.sent} requests, "
                         f"{time.monotonic() - t_load:.0f} s",
@@ -269,11 +298,11 @@ def run_soak(
                         flush=True,
                     )
                 quarter += 1
-            if res.timed_out and stop_after_timeout:
+            if res.timed_out and o.stop_after_timeout:
                 break
         result.load_seconds = round(time.monotonic() - t_load, 2)
         result.throughput_rps = round(result.sent / max(result.load_seconds, 1e-6), 2)
-        s.cpu_after(cpu_seconds, settle=settle_seconds)
+        s.cpu_after(o.cpu_seconds, settle=o.settle_seconds)
 
     session.run(work)
     result.finish(session, by_kind)
@@ -392,20 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with runner.venv_held(args, purpose="soak") as (venv, lock):
-        result = run_soak(
-            venv,
-            args.requests,
-            seed=args.seed,
-            request_timeout=args.timeout,
-            startup_timeout=args.startup_timeout,
-            cpu_seconds=args.cpu_seconds,
-            log_path=args.log,
-            stop_after_timeout=not args.keep_going,
-            max_engine_cpu_percent=args.max_engine_cpu,
-            max_rss_growth_percent=args.max_rss_growth,
-            progress=True,
-            lock=lock,
-        )
+        result = run_soak(venv, SoakOptions.from_args(args), lock=lock)
     print(format_result(result))
     runner.write_json(args.json, result.to_dict())
     return 0 if result.passed else 1

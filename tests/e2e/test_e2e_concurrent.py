@@ -34,9 +34,7 @@ def test_concurrent_clients_with_the_plugin(version: str, shared_server: SharedS
     result = concurrent.drive(
         session,
         concurrent.plan_requests(REQUESTS, 7),
-        clients=CLIENTS,
-        request_timeout=60.0,
-        max_seconds=600.0,
+        concurrent.ConcurrentOptions(clients=CLIENTS, request_timeout=60.0, max_seconds=600.0),
         first_image=shared_server.new_items(),
     )
     data = result.to_dict()

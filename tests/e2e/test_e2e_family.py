@@ -88,14 +88,10 @@ def _replay(
 ) -> incident.RunResult:
     venv = complete_venv(version)
     with runner.plugin_state(venv, wheel, purpose="Qwen-VL family replay") as lock:
-        return incident.run_incident(
-            venv,
-            model_name=model,
-            modality=modality,
-            n_images=N_ITEMS,
-            disable_plugin=disable_plugin,
-            lock=lock,
+        options = incident.IncidentOptions(
+            model_name=model, modality=modality, n_images=N_ITEMS, disable_plugin=disable_plugin
         )
+        return incident.run_incident(venv, options=options, lock=lock)
 
 
 def _ids(cases: list[tuple[str, str, str]]) -> list[str]:

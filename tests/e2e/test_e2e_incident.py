@@ -140,7 +140,8 @@ def test_incident_with_the_plugin_failing_inside(version: str, plugin_wheel: Pat
     answers at least as well as without the plugin, and the log says what failed."""
     venv = complete_venv(version)
     with runner.plugin_state(venv, plugin_wheel, purpose="plugin failing inside") as lock:
-        result = incident.run_incident(venv, n_images=20, env={ENV_FAIL_AT: "*"}, lock=lock)
+        options = incident.IncidentOptions(n_images=20, env={ENV_FAIL_AT: "*"})
+        result = incident.run_incident(venv, options=options, lock=lock)
     print(_report(result))
     assert result.started, result.error
     assert not result.hung, _report(result)

@@ -31,7 +31,7 @@ TURN = this_turn(SOAKS, "MMCACHE_HARNESS_SOAKS")
 def test_soak_with_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
     venv = vllm_venv(VERSION)
     with runner.plugin_state(venv, plugin_wheel, purpose="soak test") as lock:
-        result = soak.run_soak(venv, REQUESTS, lock=lock)
+        result = soak.run_soak(venv, soak.SoakOptions(requests=REQUESTS), lock=lock)
     print()
     print(soak.format_result(result))
 

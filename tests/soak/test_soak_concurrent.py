@@ -31,9 +31,10 @@ TURN = this_turn(SOAKS, "MMCACHE_HARNESS_SOAKS")
 def test_concurrent_soak_with_the_plugin(plugin_wheel: Path, vllm_venv) -> None:
     venv = vllm_venv(VERSION)
     with runner.plugin_state(venv, plugin_wheel, purpose="concurrent soak test") as lock:
-        result = concurrent.run_concurrent(
-            venv, plugin=True, requests=REQUESTS, clients=CLIENTS, max_seconds=3600.0, lock=lock
+        options = concurrent.ConcurrentOptions(
+            requests=REQUESTS, clients=CLIENTS, max_seconds=3600.0
         )
+        result = concurrent.run_concurrent(venv, options, plugin=True, lock=lock)
     data = result.to_dict()
     print()
     print(concurrent.format_table([data]))
