@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     # Many short cases, each taking the lock anew, compete with holders that give it back
     # and take it again within milliseconds: look more often than every half second.
     lock.POLL_SECONDS = 0.01
-    from harness.programs.topologies.run import _log, run_shape
+    from harness.programs.topologies.run import RunOptions, _log, run_shape
     from harness.venvs import build_wheel, complete_venv
 
     commit = commits.package()
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 retry_unverified=args.retry_unverified,
             )
     _log(f"plugin commit {commit[:12]}; runs to do: {len(todo)}: {todo}")
+    options = RunOptions.from_args(args)
     time_left = budget.Budget(args.budget_minutes)
     done: list[dict[str, Any]] = []
     failures = 0
@@ -177,18 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             venv = complete_venv(version)
             model = tiny_models.ensure_model(venv)
             run = run_shape(
-                shape(name),
-                version,
-                venv=venv,
-                model=model,
-                wheel=wheel,
-                commit=commit,
-                quick=args.quick,
-                plugin_only=args.with_plugin_only,
-                n_images=args.images,
-                request_timeout=args.timeout,
-                pooling_requests=args.pooling_requests,
-                lock_timeout=args.lock_timeout,
+                shape(name), version, options, venv=venv, model=model, wheel=wheel, commit=commit
             )
             done.append(run)
             failures += run["status"] == "fail"

@@ -18,6 +18,7 @@ import contextlib
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,21 +181,34 @@ def pooling_memory(
     }
 
 
+@dataclass(frozen=True)
+class HttpCaseOptions:
+    """The options of one case on a server (:func:`run_http_case`)."""
+
+    n_images: int = 20
+    """New images of the replay."""
+    request_timeout: float = 20.0
+    """Per-request timeout (s)."""
+    startup_timeout: float = 300.0
+    hang_watch_s: float = 25.0
+    """How long ``/health`` is watched while the engine stays stuck."""
+    pooling_requests: int = 1000
+    """Requests of the pooling memory measurement (0: none), pooling shapes only."""
+
+
 def run_http_case(
     shape: Shape,
     venv: Path,
     model: Path,
     log_path: Path,
     env: dict[str, str],
+    options: HttpCaseOptions = HttpCaseOptions(),
     *,
     lock: ServerLock,
-    n_images: int = 20,
-    request_timeout: float = 20.0,
-    startup_timeout: float = 300.0,
-    hang_watch_s: float = 25.0,
-    pooling_requests: int = 1000,
 ) -> dict[str, Any]:
     """One server of ``shape``, the incident replayed against it; the record (a dict)."""
+    o = options
+    n_images, request_timeout, pooling_requests = o.n_images, o.request_timeout, o.pooling_requests
     server = Server(venv, model, log_path, extra_args=list(shape.args), env=env, lock=lock)
     if shape.entry == API_SERVER_MODULE:
         server.cmd = module_command(server.cmd)
@@ -204,7 +218,7 @@ def run_http_case(
         server.start()
         assert server.proc is not None
         root = server.proc.pid
-        rec["startup_s"] = round(server.wait_ready(startup_timeout), 1)
+        rec["startup_s"] = round(server.wait_ready(o.startup_timeout), 1)
         rec["started"] = True
         rec["supported_tasks"] = supported_tasks(log_path)
         before = observe.snapshot(root, log_path)
@@ -225,7 +239,7 @@ def run_http_case(
                 rec["engines_at_hang"] = observe.engines_after(root)
                 rec["stacks"] = observe.dump_stacks(root, log_path.with_suffix(".stacks.txt"))
                 # /health while the engine stays stuck (the plugin's liveness times out first).
-                wait_until = time.monotonic() + hang_watch_s
+                wait_until = time.monotonic() + o.hang_watch_s
                 while time.monotonic() < wait_until:
                     time.sleep(0.5)
             else:

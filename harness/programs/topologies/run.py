@@ -11,18 +11,21 @@ holders can interleave between cases.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import functools
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.lock import ServerLock, default_timeout
 from harness.paths import log_path as new_log_path
 from harness.programs.topologies import environment
-from harness.programs.topologies.http_case import run_http_case
+from harness.programs.topologies.http_case import HttpCaseOptions, run_http_case
 from harness.programs.topologies.program_case import run_program_case
 from harness.programs.topologies.record import evaluate_run
 from harness.programs.topologies.shapes import OFFLINE, POOLING, STUCK_VERSION, Shape
@@ -47,24 +50,53 @@ def cases(
     return out
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """The options of one run of a shape on a release (:func:`run_shape`)."""
+
+    quick: bool = False
+    """No stuck-engine case, at most 200 pooling requests."""
+    plugin_only: bool = False
+    """Leave out the case without the plugin (see :func:`cases`)."""
+    n_images: int = 20
+    """New images of each case's replay."""
+    request_timeout: float = 20.0
+    """Per-request timeout (s)."""
+    pooling_requests: int = 1000
+    """Requests of the pooling memory measurement (0: none), pooling shapes only."""
+    lock_timeout: float | None = None
+    """Seconds to wait for the server lock in each case (None: the lock's default)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options of the topologies command line."""
+        return cls(
+            quick=args.quick,
+            plugin_only=args.with_plugin_only,
+            n_images=args.images,
+            request_timeout=args.timeout,
+            pooling_requests=args.pooling_requests,
+            lock_timeout=args.lock_timeout,
+        )
+
+
 def run_case(
     shape: Shape,
     version: str,
     venv: Path,
     model: Path,
     wheel: Path,
+    options: RunOptions,
     *,
     plugin: bool,
     stuck: bool,
     tag: str,
-    n_images: int,
-    request_timeout: float,
-    pooling_requests: int,
-    lock_timeout: float | None,
 ) -> dict[str, Any]:
+    """One case of a run; ``options.lock_timeout`` is used as it is (None: no bound)."""
+    o = options
     t0 = time.monotonic()
     purpose = f"topologies {shape.name} {version} {tag}"
-    with ServerLock().hold(lock_timeout, purpose=purpose) as lock:
+    with ServerLock().hold(o.lock_timeout, purpose=purpose) as lock:
         waited = time.monotonic() - t0
         t1 = time.monotonic()
         set_plugin(venv, wheel)
@@ -74,19 +106,17 @@ def run_case(
         env = environment.case_env(shape, venv, version, plugin=plugin, stuck=stuck)
         log = new_log_path(f"topo-{shape.name}-{version}-{tag}")
         _log(f"{shape.name} {version} {tag}: log {log}")
-        case: Callable[..., dict[str, Any]] = run_program_case
-        if shape.is_http:
-            case = functools.partial(run_http_case, pooling_requests=pooling_requests)
-        rec = case(
-            shape,
-            venv,
-            model,
-            log,
-            env,
-            lock=lock,
-            n_images=n_images,
-            request_timeout=request_timeout,
+        case: Callable[..., dict[str, Any]] = functools.partial(
+            run_program_case, n_images=o.n_images, request_timeout=o.request_timeout
         )
+        if shape.is_http:
+            http = HttpCaseOptions(
+                n_images=o.n_images,
+                request_timeout=o.request_timeout,
+                pooling_requests=o.pooling_requests,
+            )
+            case = functools.partial(run_http_case, options=http)
+        rec = case(shape, venv, model, log, env, lock=lock)
     rec.update(extra)
     rec["env"] = sorted(k for k in env if k != "VLLM_PLUGINS") + (
         [] if plugin else ["VLLM_PLUGINS (plugin kept out)"]
@@ -99,20 +129,17 @@ def run_case(
 def run_shape(
     shape: Shape,
     version: str,
+    options: RunOptions = RunOptions(),
     *,
     venv: Path,
     model: Path,
     wheel: Path,
     commit: str,
-    quick: bool = False,
-    plugin_only: bool = False,
-    n_images: int = 20,
-    request_timeout: float = 20.0,
-    pooling_requests: int = 1000,
-    lock_timeout: float | None = None,
 ) -> dict[str, Any]:
     """One run: every case of :func:`cases`; the run record with its verdict."""
-    lock_timeout = default_timeout() if lock_timeout is None else lock_timeout
+    quick, plugin_only = options.quick, options.plugin_only
+    lock_timeout = default_timeout() if options.lock_timeout is None else options.lock_timeout
+    pooling_requests = options.pooling_requests
     run: dict[str, Any] = {
         "shape": shape.name,
         "vllm": version,
@@ -125,6 +152,9 @@ def run_shape(
     }
     if quick:
         pooling_requests = min(pooling_requests, 200)
+    case_options = dataclasses.replace(
+        options, pooling_requests=pooling_requests, lock_timeout=lock_timeout
+    )
     for key, plugin, stuck in cases(shape, version, quick, plugin_only):
         if stuck and not (run.get("with_plugin") or {}).get("started"):
             continue
@@ -136,13 +166,10 @@ def run_shape(
                 venv,
                 model,
                 wheel,
+                case_options,
                 plugin=plugin,
                 stuck=stuck,
                 tag=key.replace("_", "-"),
-                n_images=n_images,
-                request_timeout=request_timeout,
-                pooling_requests=pooling_requests,
-                lock_timeout=lock_timeout,
             )
         except Exception as exc:  # noqa: BLE001 - recorded
             run[key] = {"started": False, "error": f"harness: {type(exc).__name__}: {exc}"[:500]}
