@@ -33,12 +33,12 @@ SCHEDULER_ATTR = "scheduler"
 HWM_ATTR = "_mmcache_fix_hwm"
 """On a vLLM ``Request``: the most computed tokens it reached (the high-water mark)."""
 _NOT_READY = "WAITING_FOR"
+"""Prefix of vLLM's ``RequestStatus`` names of a waiting request that is not eligible."""
 STEP_BOUNDS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 """Upper bounds (seconds) of the step-duration histogram EngineCore keeps (the last bucket,
 past 5 s, is unbounded); ``mmcache_fix_engine_step_seconds`` exports it."""
 RECENT_STEPS = 16
 """Step durations kept (a ring), for the stall snapshot."""
-"""Prefix of vLLM's ``RequestStatus`` names of a waiting request that is not eligible."""
 
 
 class Progress:
