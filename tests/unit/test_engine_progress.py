@@ -14,7 +14,7 @@ import pytest
 from vllm_mmcache_fix.core.messages import ENGINE_ANSWERS_AGAIN
 from vllm_mmcache_fix.core.settings import DEFAULT_PROGRESS_TIMEOUT, read_progress_timeout
 from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, Heartbeat
-from vllm_mmcache_fix.engine_liveness.progress import Progress, eligible
+from vllm_mmcache_fix.engine_liveness.progress import RECENT_STEPS, Progress, eligible
 
 
 class Status(enum.Enum):
@@ -230,3 +230,99 @@ def test_progress_rule_off_at_zero() -> None:
         return beat.verdict()
 
     assert asyncio.run(go()) == []
+
+
+# --------------------------------------------------------------------------- the rule's edges
+
+
+def test_the_recent_steps_are_the_last_ones_oldest_first_after_the_ring_wrapped() -> None:
+    sched, p = Scheduler(), Progress()
+    assert p.recent_steps() == []
+    took = [0.001 * (i + 1) for i in range(40)]  # past two turns of the ring
+    t = 0.0
+    for i, d in enumerate(took):
+        p.after_step(sched, t + d, started=t)
+        t += 1.0
+        kept = p.recent_steps()
+        assert kept == pytest.approx(took[max(0, i + 1 - RECENT_STEPS) : i + 1])
+    assert len(p.recent_steps()) == RECENT_STEPS
+    assert p.steps == 40 and sum(p.step_counts) == 40
+
+
+def test_steps_count_every_step_from_zero() -> None:
+    sched, p = Scheduler(), Progress()
+    assert p.steps == 0 and p.requests == 0 and p.empty_steps == 0
+    for t in range(1, 4):
+        p.after_step(sched, float(t))
+    assert p.steps == 3
+
+
+def test_a_running_request_seen_first_at_zero_tokens_is_progress_once() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("a"))
+    p.added(0.0)
+    sched.admit()  # scheduled, nothing computed yet (a long first step)
+    p.after_step(sched, 5.0)
+    assert p.stalled_s(sched, 6.0) == 1.0 and p.empty_steps == 0
+    p.after_step(sched, 7.0)  # still at 0: no progress now
+    assert p.stalled_s(sched, 8.0) == 3.0 and p.empty_steps == 1
+
+
+def test_only_the_first_running_request_is_judged() -> None:
+    sched, p = Scheduler(), Progress()
+    head, other = Request("head"), Request("other")
+    for r in (head, other):
+        sched.add(r)
+    p.added(0.0)
+    sched.admit()
+    sched.admit()
+    head.num_computed_tokens = 100
+    p.after_step(sched, 1.0)
+    for t in range(2, 10):  # the head is stuck at 100; the other request moves
+        other.num_computed_tokens += 16
+        p.after_step(sched, float(t))
+    assert p.stalled_s(sched, 10.0) == 9.0 and p.empty_steps == 8
+
+
+def test_a_paused_scheduler_with_running_requests_stops_the_clock() -> None:
+    sched, p = Scheduler(), Progress()
+    r = Request("a")
+    sched.add(r)
+    p.added(0.0)
+    sched.admit()
+    sched._pause_state = Pause.PAUSED_ALL  # the requests stay in running while paused
+    for t in range(1, 50):
+        p.after_step(sched, float(t))
+    assert not p.work and p.stalled_s(sched, 100.0) == 0.0 and p.unpaused is None
+    sched._pause_state = Pause.UNPAUSED
+    p.after_step(sched, 200.0)  # resumed: the clock starts now
+    assert p.work and p.unpaused is Pause.UNPAUSED and p.stalled_s(sched, 210.0) == 10.0
+
+
+def test_a_waiting_queue_emptied_while_read_is_not_eligible() -> None:
+    class Emptied(Queue):
+        def peek_request(self) -> Request:
+            raise IndexError("emptied by the busy loop meanwhile")
+
+    sched = Scheduler()
+    sched.waiting = Emptied([Request("a")])
+    assert eligible(sched) is False
+
+
+def test_skip_moves_the_clock_only_forward_and_only_while_work_waits() -> None:
+    sched, p = Scheduler(), Progress()
+    p.skip(100.0)  # nothing waits: nothing to move
+    sched.add(Request("a"))
+    p.added(0.0)
+    assert p.since == 0.0
+    p.skip(0.5)
+    p.skip(-3.0)  # a clock read out of order never takes time back
+    assert p.since == 0.5 and p.stalled_s(sched, 10.0) == 9.5
+
+
+def test_stalled_is_never_negative_when_read_before_the_clock() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("a"))
+    p.added(50.0)
+    # The input thread took ``until`` just before the busy loop moved ``since``.
+    assert p.stalled_s(sched, 49.0) == 0.0
