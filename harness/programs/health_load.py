@@ -43,7 +43,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -613,18 +613,6 @@ def _server_env(venv: Path, plugin: bool, extra: dict[str, str]) -> dict[str, st
     return env
 
 
-@contextlib.contextmanager
-def _serving(run: Run, server: Server) -> Iterator[None]:
-    """``server`` started, and stopped at the end; an exception meanwhile is the run's error."""
-    try:
-        server.start()
-        yield
-    except Exception as exc:  # noqa: BLE001 - kept in the result
-        run.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        server.stop()
-
-
 def _finished(run: Run, log: Path) -> Run:
     run.log_scan = scan_log(log)
     run.finished_at = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -668,7 +656,8 @@ def run_serve(
         )
         model = tiny_models.ensure_model(venv)
         server = Server(venv, model, log, env=env, lock=lock, extra_args=list(args))
-        with _serving(run, server):
+        try:
+            server.start()
             run.startup_s = round(server.wait_ready(600), 1)
             run.started = True
             assert server.proc is not None
@@ -690,6 +679,10 @@ def run_serve(
                 run.phases[name] = steps[name]()
                 print(f"[health-load] {run.key} {name}: {run.phases[name]}", flush=True)
             run.phases["metrics_end"] = _plugin_metrics(url)
+        except Exception as exc:  # noqa: BLE001 - kept in the result
+            run.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            server.stop()
     return _finished(run, log)
 
 
@@ -761,7 +754,8 @@ def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
     model = tiny_models.ensure_model(venv)
     args, engines = TOPOLOGIES[variant]
     server = Server(venv, model, log, env=env, lock=lock, extra_args=args)
-    with _serving(run, server):
+    try:
+        server.start()
         assert server.proc is not None
         started = time.monotonic()
         # Ready without /health: /metrics answers once an API server serves.
@@ -784,6 +778,10 @@ def run_topology(venv: Path, variant: str, *, lock: ServerLock) -> Run:
             "metrics": {k: v for k, v in (seen or {}).items() if "_bucket" not in k},
             "healths": sorted({str(s) for s in healths}),
         }
+    except Exception as exc:  # noqa: BLE001 - kept in the result
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        server.stop()
     return _finished(run, log)
 
 

@@ -262,16 +262,15 @@ def read_status(
     time.sleep(settle)
     code, body, error = _get(base + "/metrics", timeout)
     if code != 200:
-        report = _unreachable(
+        return _unreachable(
             f"{base}/metrics answered once, then not",
             base,
             code,
             error,
             "the API server itself stopped answering: check its process and log",
+            health_status=health,
+            health_error=health_error,
         )
-        report.health_status = health
-        report.health_error = health_error
-        return report
     after = parse_metrics(body)
     report = decide(base, before, after, health, health_error, timeout, stuck_after)
     report.caches = cache_figures(before, after, time.monotonic() - first_read)
@@ -279,10 +278,24 @@ def read_status(
 
 
 def _unreachable(
-    what: str, base: str, code: int | None, error: str | None, remedy: str
+    what: str,
+    base: str,
+    code: int | None,
+    error: str | None,
+    remedy: str,
+    *,
+    health_status: int | None = None,
+    health_error: str | None = None,
 ) -> StatusReport:
     why = error or f"HTTP {code}"
-    return StatusReport(base, Verdict.UNREACHABLE, f"{what}: {why}", remedy=remedy)
+    return StatusReport(
+        base,
+        Verdict.UNREACHABLE,
+        f"{what}: {why}",
+        remedy=remedy,
+        health_status=health_status,
+        health_error=health_error,
+    )
 
 
 def decide(

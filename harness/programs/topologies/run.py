@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,17 +104,24 @@ def run_case(
         env = environment.case_env(shape, venv, version, plugin=plugin, stuck=stuck)
         log = new_log_path(f"topo-{shape.name}-{version}-{tag}")
         _log(f"{shape.name} {version} {tag}: log {log}")
-        case: Callable[..., dict[str, Any]] = functools.partial(
-            run_program_case, n_images=o.n_images, request_timeout=o.request_timeout
-        )
         if shape.is_http:
             http = HttpCaseOptions(
                 n_images=o.n_images,
                 request_timeout=o.request_timeout,
                 pooling_requests=o.pooling_requests,
             )
-            case = functools.partial(run_http_case, options=http)
-        rec = case(shape, venv, model, log, env, lock=lock)
+            rec = run_http_case(shape, venv, model, log, env, http, lock=lock)
+        else:
+            rec = run_program_case(
+                shape,
+                venv,
+                model,
+                log,
+                env,
+                lock=lock,
+                n_images=o.n_images,
+                request_timeout=o.request_timeout,
+            )
     rec.update(extra)
     rec["env"] = sorted(k for k in env if k != "VLLM_PLUGINS") + (
         [] if plugin else ["VLLM_PLUGINS (plugin kept out)"]
