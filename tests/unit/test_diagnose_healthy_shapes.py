@@ -90,11 +90,16 @@ def test_a_workers_busy_wait_is_active(
     if use_py_spy and PY_SPY is None:
         pytest.skip("py-spy not installed")
     pid = _start(children, "VLLM::Worker_TP0", "main", module_dir)
-    d = diagnose(pid, interval=INTERVAL, use_py_spy=use_py_spy)
-    [report] = d.processes
-    assert report.kind == "Worker"
-    assert d.classification is C.ACTIVE, report.reason
-    hot = [t for t in report.threads if t.spinning]
+    # A busy machine can starve the poller for a whole sample (runnable, little CPU: not
+    # spinning, and still active): sample again until it was seen burning its core.
+    for _ in range(5):
+        d = diagnose(pid, interval=INTERVAL, use_py_spy=use_py_spy)
+        [report] = d.processes
+        assert report.kind == "Worker"
+        assert d.classification is C.ACTIVE, report.reason
+        hot = [t for t in report.threads if t.spinning]
+        if hot:
+            break
     assert hot and all(t.expected for t in hot), report.threads
     if use_py_spy:
         assert hot[0].busy_wait is True and hot[0].stack, hot[0]
