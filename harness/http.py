@@ -1,13 +1,16 @@
-"""Plain HTTP against a local server (standard library only) and free ports."""
+"""Plain HTTP against a local server (standard library only), free ports, and a thread
+that polls a URL."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 @dataclass
@@ -64,3 +67,34 @@ def http_post(url: str, payload: dict[str, object], timeout: float) -> Reply:
         return Reply(None, took(), timed_out=timed_out, error=str(e.reason))
     except OSError as e:
         return Reply(None, took(), error=str(e))
+
+
+_P = TypeVar("_P", bound="UrlPoller")
+
+
+class UrlPoller:
+    """Polls ``url`` in a daemon thread named ``name``: started on entering, stopped on
+    leaving (:meth:`stop`). Subclasses poll in :meth:`_run`, every ``interval`` s with a
+    ``timeout`` s client timeout, waiting on ``_stop`` in between."""
+
+    def __init__(self, url: str, interval: float, timeout: float, *, name: str) -> None:
+        self.url = url
+        self.interval = interval
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def __enter__(self: _P) -> _P:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop polling; waits for the poll under way (at most ``timeout + 5`` s)."""
+        self._stop.set()
+        self._thread.join(self.timeout + 5)
+
+    def _run(self) -> None:
+        raise NotImplementedError

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -62,23 +62,40 @@ def available_versions() -> list[str]:
     return [v for v in VERSIONS if sources.vllm_complete(v)]
 
 
+def _fetched(
+    directory: Path,
+    complete: bool,
+    fetch_now: Callable[[], Path],
+    *,
+    fetch: bool,
+    absent: str,
+    failed: Callable[[RuntimeError], str],
+) -> Path:
+    """``directory`` when ``complete``, else what ``fetch_now`` fetches; raises
+    :class:`SourcesUnavailable` with ``absent`` when fetching is off (``fetch`` or
+    :func:`offline`), with ``failed(error)`` when the fetch fails."""
+    if complete:
+        return directory
+    if not fetch or offline():
+        raise SourcesUnavailable(absent)
+    try:
+        return fetch_now()
+    except RuntimeError as exc:
+        raise SourcesUnavailable(failed(exc)) from exc
+
+
 def source_root(version: str, *, fetch: bool = True) -> Path:
     """Directory holding ``vllm/...`` of a release, fetching it first when needed."""
     directory = sources.vllm_source_dir(version)
-    if sources.vllm_complete(version):
-        return directory
-    if not fetch or offline():
-        raise SourcesUnavailable(
-            f"sources of vllm {version} are not in {directory} and fetching is disabled; "
-            f"run: scripts/fetch-sources {version}"
-        )
-    try:
-        return sources.ensure_vllm_sources(version)
-    except RuntimeError as exc:
-        raise SourcesUnavailable(
-            f"sources of vllm {version} could not be fetched ({exc}); "
-            f"run: scripts/fetch-sources {version}"
-        ) from exc
+    run = f"run: scripts/fetch-sources {version}"
+    return _fetched(
+        directory,
+        sources.vllm_complete(version),
+        lambda: sources.ensure_vllm_sources(version),
+        fetch=fetch,
+        absent=f"sources of vllm {version} are not in {directory} and fetching is disabled; {run}",
+        failed=lambda exc: f"sources of vllm {version} could not be fetched ({exc}); {run}",
+    )
 
 
 def source_file(version: str, relpath: str) -> Path:
@@ -93,17 +110,15 @@ def has_file(version: str, relpath: str) -> bool:
 def cachetools_path(version: str, *, fetch: bool = True) -> Path:
     """A ``PYTHONPATH`` entry providing exactly cachetools ``version``."""
     directory = sources.cachetools_dir(version)
-    if sources.cachetools_complete(version):
-        return directory
-    if not fetch or offline():
-        raise SourcesUnavailable(
-            f"cachetools {version} is not in {directory} and fetching is disabled; "
-            f"run: scripts/fetch-sources --no-vllm --cachetools {version}"
-        )
-    try:
-        return sources.ensure_cachetools(version)
-    except RuntimeError as exc:
-        raise SourcesUnavailable(f"cachetools {version} could not be fetched ({exc})") from exc
+    return _fetched(
+        directory,
+        sources.cachetools_complete(version),
+        lambda: sources.ensure_cachetools(version),
+        fetch=fetch,
+        absent=f"cachetools {version} is not in {directory} and fetching is disabled; "
+        f"run: scripts/fetch-sources --no-vllm --cachetools {version}",
+        failed=lambda exc: f"cachetools {version} could not be fetched ({exc})",
+    )
 
 
 # --------------------------------------------------------------------------- AST helpers

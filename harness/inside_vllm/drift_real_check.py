@@ -18,6 +18,7 @@ import torch
 import vllm  # noqa: F401
 
 from harness.inside_vllm.layout import drift_class
+from harness.inside_vllm.mm_merge import merge_images
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix import vllm_layout as lay
 from vllm_mmcache_fix.drift_guard import GUARD
@@ -41,22 +42,13 @@ cfg = types.SimpleNamespace(
 sender = sender_cls(cfg)
 receiver = receiver_cls(cfg)
 base = TARGETS["processor"]
-stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
 
 
 def process(hashes: list[str]):
     """P0: is_cached, then the real _merge_mm_kwargs (touch all, get_and_update each)."""
-    cached = sender.is_cached(hashes)
-    missing = [h for h, c in zip(hashes, cached) if not c]
-    mm_kwargs, _ = base._merge_mm_kwargs(
-        stub,
-        sender,
-        mm_hashes={"image": hashes},
-        mm_is_cached={"image": cached},
-        mm_missing_kwargs={"image": [torch.zeros(ITEM, dtype=torch.uint8) for _ in missing]},
-        mm_missing_prompt_updates={"image": [[] for _ in missing]},
+    return merge_images(
+        base._merge_mm_kwargs, sender, hashes, lambda _: torch.zeros(ITEM, dtype=torch.uint8)
     )
-    return mm_kwargs
 
 
 def deliver(hashes: list[str], mm_kwargs) -> str:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import runner
-from harness.http import http_get, http_post
+from harness.http import UrlPoller, http_get, http_post
 from harness.lock import ServerLock
 from harness.payloads import chat_payload, make_png
 
@@ -54,7 +54,7 @@ def scrape(base_url: str, timeout: float = 10.0) -> tuple[int | None, dict[str, 
     return status, parse_metrics(body), body
 
 
-class HealthPoller:
+class HealthPoller(UrlPoller):
     """Polls ``/health`` every ``interval`` s in a thread (bounded by ``max_s``); each poll is
     ``(monotonic time it returned, status or None, seconds)``. Connection errors before
     the server is up are recorded too (status None)."""
@@ -62,24 +62,9 @@ class HealthPoller:
     def __init__(
         self, base_url: str, interval: float = 0.5, timeout: float = 30.0, max_s: float = 900.0
     ) -> None:
-        self.url = base_url + "/health"
-        self.interval = interval
-        self.timeout = timeout
+        super().__init__(base_url + "/health", interval, timeout, name="health-poller")
         self.max_s = max_s
         self.polls: list[tuple[float, int | None, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(self.timeout + 5)
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.max_s

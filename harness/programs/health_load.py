@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import commits, procs, tiny_models
-from harness.http import free_port, http_get, http_post
+from harness.http import UrlPoller, free_port, http_get, http_post
 from harness.inside_vllm import inject
 from harness.lock import ServerLock
 from harness.paths import REPO_ROOT
@@ -162,24 +162,12 @@ class Poll:
     ms: float
 
 
-class Poller:
+class Poller(UrlPoller):
     """``/health`` every ``interval`` s with a ``timeout`` s client timeout, in a thread."""
 
     def __init__(self, url: str, interval: float = POLL_INTERVAL_S, timeout: float = 1.0):
-        self.url = url + "/health"
-        self.interval = interval
-        self.timeout = timeout
+        super().__init__(url + "/health", interval, timeout, name="health-poll")
         self.polls: list[Poll] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-poll", daemon=True)
-
-    def __enter__(self) -> Poller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(self.timeout + 5)
 
     def _run(self) -> None:
         next_at = time.monotonic()

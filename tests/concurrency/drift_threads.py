@@ -48,6 +48,7 @@ import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate)
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from drift_threads_mutants import unlocked_registration  # (this file's folder)
 
+from harness.inside_vllm.mm_merge import merge_images
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal, processor, sender
 from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
@@ -133,7 +134,6 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
         fixed_cache.upgrade(cache)
     repairs_before = fixed_cache.STATS.total()
     base = mm_processing.BaseMultiModalProcessor
-    stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
     process_inputs = processor.wrap_process_inputs(drift.GUARD, _process_inputs_body)
     data = {f"img{i}": torch.full((ITEM,), i % 251, dtype=torch.uint8) for i in range(POOL)}
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mm")
@@ -151,16 +151,7 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
 
     def render(hashes: list[str], too_long: bool) -> dict:
         """On the multimodal executor, as vLLM's renderer processes a request's items."""
-        cached = p0.is_cached(hashes)
-        missing = [h for h, c in zip(hashes, cached) if not c]
-        mm_kwargs, _ = base._merge_mm_kwargs(
-            stub,
-            p0,
-            mm_hashes={"image": hashes},
-            mm_is_cached={"image": cached},
-            mm_missing_kwargs={"image": [data[h] for h in missing]},
-            mm_missing_prompt_updates={"image": [[] for _ in missing]},
-        )
+        mm_kwargs = merge_images(base._merge_mm_kwargs, p0, hashes, data.__getitem__)
         return {
             "type": "multimodal",
             "prompt_token_ids": [0] * 16,

@@ -29,6 +29,7 @@ import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from harness.inside_vllm.mm_merge import merge_images
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import processor
 
@@ -42,19 +43,14 @@ cfg = types.SimpleNamespace(
     get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=8.5 * ITEM / 2**30)
 )
 p0, p1 = sender_cls(cfg), receiver_cls(cfg)
-stub = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
 
 
 def render(hashes: list[str]) -> dict[str, Any]:
-    cached = p0.is_cached(hashes)
-    missing = [h for h, c in zip(hashes, cached) if not c]
-    mm_kwargs, _ = mm_processing.BaseMultiModalProcessor._merge_mm_kwargs(
-        stub,
+    mm_kwargs = merge_images(
+        mm_processing.BaseMultiModalProcessor._merge_mm_kwargs,
         p0,
-        mm_hashes={"image": hashes},
-        mm_is_cached={"image": cached},
-        mm_missing_kwargs={"image": [torch.zeros(ITEM, dtype=torch.uint8) for _ in missing]},
-        mm_missing_prompt_updates={"image": [[] for _ in missing]},
+        hashes,
+        lambda _: torch.zeros(ITEM, dtype=torch.uint8),
     )
     return {
         "type": "multimodal",

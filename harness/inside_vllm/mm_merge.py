@@ -1,0 +1,32 @@
+"""vLLM's real ``BaseMultiModalProcessor._merge_mm_kwargs`` on one request's images, as the
+processor's ``apply`` calls it: for the checks that run in a vLLM venv on its real sender
+cache.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+STUB = types.SimpleNamespace(_recompute_cached_prompt_update=lambda update, idx: update)
+"""The processor the merge is called on: each cached item's prompt update comes back as is."""
+
+
+def merge_images(
+    merge: Callable[..., Any], sender: Any, hashes: list[str], new_item: Callable[[str], Any]
+) -> Any:
+    """``sender.is_cached(hashes)``, then ``merge`` (the unbound ``_merge_mm_kwargs``) of
+    the images ``hashes``, ``new_item(hash)`` the data of each one not cached; returns the
+    request's ``mm_kwargs``."""
+    cached = sender.is_cached(hashes)
+    missing = [h for h, c in zip(hashes, cached) if not c]
+    mm_kwargs, _ = merge(
+        STUB,
+        sender,
+        mm_hashes={"image": hashes},
+        mm_is_cached={"image": cached},
+        mm_missing_kwargs={"image": [new_item(h) for h in missing]},
+        mm_missing_prompt_updates={"image": [[] for _ in missing]},
+    )
+    return mm_kwargs
