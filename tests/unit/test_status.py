@@ -23,7 +23,7 @@ from harness.http import free_port
 from harness.paths import REPO_ROOT
 from vllm_mmcache_fix.metrics import names as n
 from vllm_mmcache_fix.metrics.exporter import Exporter
-from vllm_mmcache_fix.tools import exits
+from vllm_mmcache_fix.tools import exits, status
 from vllm_mmcache_fix.tools.status import _parse_plain, parse_metrics, read_status
 
 prom = pytest.importorskip("prometheus_client")
@@ -283,3 +283,26 @@ def test_the_command_line_shows_the_caches(server: Server) -> None:
     assert any(
         "receiver/EngineCore_DP1" in x and "2 items too large" in x for x in text.splitlines()
     )
+
+
+def test_each_unreachable_report_says_which_read_failed(monkeypatch) -> None:
+    """A first ``/metrics`` that fails, and one that answers once then not (with what
+    ``/health`` said in between), word for word."""
+    answers = iter([(404, "", None)])
+    monkeypatch.setattr(status, "_get", lambda url, timeout: next(answers))
+    first = read_status("http://h:1", settle=0.0)
+    assert (first.verdict.value, first.summary, first.remedy) == (
+        "unreachable",
+        "cannot read http://h:1/metrics: HTTP 404",
+        "check the URL (the server's own port, where /metrics is) and that the server is up",
+    )
+    assert (first.health_status, first.health_error) == (None, None)
+
+    answers = iter([(200, VLLM_ONLY, None), (503, "", None), (None, "", "URLError: refused")])
+    second = read_status("http://h:1", settle=0.0)
+    assert (second.verdict.value, second.summary, second.remedy) == (
+        "unreachable",
+        "http://h:1/metrics answered once, then not: URLError: refused",
+        "the API server itself stopped answering: check its process and log",
+    )
+    assert (second.health_status, second.health_error) == (503, None)

@@ -82,16 +82,18 @@ def wrap_merge(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         ctx.journal = journal
         try:
-            out = orig(self, *args, **kwargs)
+            try:
+                out = orig(self, *args, **kwargs)
+            finally:
+                # The request's journal closes as soon as vLLM's call returns or raises,
+                # before a rollback or any other bookkeeping runs.
+                ctx.journal = None
+                ctx.bypassed.clear()
         except BaseException:
-            ctx.journal = None
-            ctx.bypassed.clear()
             if journal is not None:
                 with s_merge_failed:
                     st.pending.rollback(journal, "multimodal processing failed")
             raise
-        ctx.journal = None
-        ctx.bypassed.clear()
         with s_merge_after:
             if shadow.alive:
                 with shadow.lock:

@@ -184,9 +184,8 @@ async def _recovering(
     retry_args, retry_kwargs = _with_prompt(args, kwargs, prompt_arg, retry)
     stream = orig(engine, *retry_args, **retry_kwargs)
     try:
-        try:
-            again = await stream.__anext__()
-        except StopAsyncIteration:
+        again = await _next_output(stream)
+        if again is _ENDED:
             return
         with s_result:
             if is_error_without_tokens(again):
@@ -200,6 +199,18 @@ async def _recovering(
             yield out
     finally:
         await stream.aclose()
+
+
+_ENDED = object()
+
+
+async def _next_output(stream: AsyncIterator[Any]) -> Any:
+    """The stream's next output, or :data:`_ENDED` when it has none (what ``anext(stream,
+    _ENDED)`` does from Python 3.10)."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _ENDED
 
 
 def _log_drift(st: GuardState, request_id: Any, attempt: Attempt, outcome: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import registry
+from ..core.guard import Site
 from ..core.signatures import require_prefix
 from ..vllm_layout import SENDER_LRU_ATTR
 from .context import scope
@@ -97,13 +98,16 @@ def shadow_of(st: GuardState, sender: Any) -> Shadow | None:
     return shadow
 
 
-def _live_shadow(sender: Any) -> Shadow | None:
-    """The shadow of an already tracked sender (no attaching)."""
-    try:
-        shadow = sender.__dict__.get(SHADOW_ATTR)
-    except AttributeError:
-        return None
-    return shadow if shadow and shadow.alive else None
+def _live_shadow(site: Site, sender: Any) -> Shadow | None:
+    """The shadow of an already tracked sender (no attaching), looked up in ``site``'s
+    guarded block: None when that block fails too."""
+    with site:
+        try:
+            shadow = sender.__dict__.get(SHADOW_ATTR)
+        except AttributeError:
+            return None
+        return shadow if shadow and shadow.alive else None
+    return None
 
 
 def _sent_without_data(result: Any) -> bool:
@@ -113,6 +117,14 @@ def _sent_without_data(result: Any) -> bool:
 # --------------------------------------------------------------------------- wrappers
 # Each wrap_* takes vLLM's function and returns the replacement; it raises
 # SignatureMismatch when vLLM's function does not take what the wrapper passes.
+
+
+def _state(guard: Any, orig: Callable[..., Any], params: tuple[str, ...], what: str) -> GuardState:
+    """The guard's state for a wrapper of ``what``, once vLLM's ``orig`` is known to take
+    ``params`` first (SignatureMismatch otherwise)."""
+    require_prefix(orig, params, what=what)
+    state: GuardState = guard.state
+    return state
 
 
 def wrap_init(guard: Any, orig: Callable[..., None]) -> Callable[..., None]:
@@ -129,15 +141,11 @@ def wrap_init(guard: Any, orig: Callable[..., None]) -> Callable[..., None]:
 
 
 def wrap_is_cached_item(guard: Any, orig: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
-    st: GuardState = guard.state
+    st = _state(guard, orig, ("self", "mm_hash"), "is_cached_item")
     s_is_cached = st.sites.is_cached
-    require_prefix(orig, ("self", "mm_hash"), what="is_cached_item")
 
     def is_cached_item(self: Any, mm_hash: Any) -> bool:
-        shadow = None
-        if st.live:
-            with s_is_cached:
-                shadow = _live_shadow(self)
+        shadow = _live_shadow(s_is_cached, self) if st.live else None
         if shadow is None:
             return orig(self, mm_hash)
         # vLLM's answer and the guard's correction are read together: a rollback on the
@@ -161,10 +169,9 @@ def wrap_is_cached_item(guard: Any, orig: Callable[[Any, Any], bool]) -> Callabl
 
 
 def wrap_touch(guard: Any, orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    st: GuardState = guard.state
+    st = _state(guard, orig, ("self", "mm_hash"), "touch_sender_cache_item")
     s_touch_after = st.sites.touch_after
     s_touch_before = st.sites.touch_before
-    require_prefix(orig, ("self", "mm_hash"), what="touch_sender_cache_item")
 
     def touch_sender_cache_item(self: Any, mm_hash: Any) -> None:
         shadow = None
@@ -189,10 +196,9 @@ def wrap_touch(guard: Any, orig: Callable[[Any, Any], None]) -> Callable[[Any, A
 def wrap_get_and_update_item(
     guard: Any, orig: Callable[[Any, Any, Any], Any]
 ) -> Callable[..., Any]:
-    st: GuardState = guard.state
+    st = _state(guard, orig, ("self", "mm_item", "mm_hash"), "get_and_update_item")
     s_update_after = st.sites.update_after
     s_update_before = st.sites.update_before
-    require_prefix(orig, ("self", "mm_item", "mm_hash"), what="get_and_update_item")
 
     def get_and_update_item(self: Any, mm_item: Any, mm_hash: Any) -> Any:
         shadow = None
@@ -236,14 +242,11 @@ def wrap_get_and_update_item(
 
 
 def wrap_clear_cache(guard: Any, orig: Callable[[Any], None]) -> Callable[[Any], None]:
-    st: GuardState = guard.state
+    st = _state(guard, orig, ("self",), "clear_cache")
     s_clear = st.sites.clear
-    require_prefix(orig, ("self",), what="clear_cache")
 
     def clear_cache(self: Any) -> None:
-        shadow = None
-        with s_clear:
-            shadow = _live_shadow(self)
+        shadow = _live_shadow(s_clear, self)
         if shadow is None:
             return orig(self)
         with shadow.lock:
@@ -257,14 +260,11 @@ def wrap_clear_cache(guard: Any, orig: Callable[[Any], None]) -> Callable[[Any],
 
 
 def wrap_invalidate(guard: Any, orig: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    st: GuardState = guard.state
+    st = _state(guard, orig, ("self", "mm_hash"), "invalidate")
     s_invalidate = st.sites.invalidate
-    require_prefix(orig, ("self", "mm_hash"), what="invalidate")
 
     def invalidate(self: Any, mm_hash: Any) -> None:
-        shadow = None
-        with s_invalidate:
-            shadow = _live_shadow(self)
+        shadow = _live_shadow(s_invalidate, self)
         if shadow is None:
             return orig(self, mm_hash)
         with shadow.lock:

@@ -249,13 +249,13 @@ def cmd_patch(args: argparse.Namespace) -> int:
                 plugin_protects=_plugin_protects(args.root),
             )
         else:
-            change = sp.revert if action == "revert" else sp.apply
-            outcome = change(
+            outcome = sp.apply(
                 args.root,
                 patches_dir=args.patches_dir,
                 version=args.vllm_version,
                 tool=args.tool,
                 follow_symlinks=args.follow_symlinks,
+                reverse=action == "revert",
             )
     except (OSError, ValueError, KeyError) as exc:
         outcome = sp.Outcome(sp.Verdict.ERROR, f"{type(exc).__name__}: {exc}")

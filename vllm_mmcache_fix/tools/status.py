@@ -247,29 +247,18 @@ def read_status(
     settle: float = SETTLE_S,
 ) -> StatusReport:
     base = normalize_url(url)
-    code, body, error = _get(base + "/metrics", timeout)
-    if code != 200:
-        return _unreachable(
-            f"cannot read {base}/metrics",
-            base,
-            code,
-            error,
-            "check the URL (the server's own port, where /metrics is) and that the server is up",
-        )
+    body, why = _read_metrics(base, timeout)
+    if body is None:
+        return _unreachable(base, f"cannot read {base}/metrics: {why}", _REMEDY_NO_METRICS)
     first_read = time.monotonic()
     before = parse_metrics(body)
     health, _, health_error = _get(base + "/health", timeout)
     time.sleep(settle)
-    code, body, error = _get(base + "/metrics", timeout)
-    if code != 200:
+    body, why = _read_metrics(base, timeout)
+    if body is None:
+        summary = f"{base}/metrics answered once, then not: {why}"
         return _unreachable(
-            f"{base}/metrics answered once, then not",
-            base,
-            code,
-            error,
-            "the API server itself stopped answering: check its process and log",
-            health_status=health,
-            health_error=health_error,
+            base, summary, _REMEDY_STOPPED, health_status=health, health_error=health_error
         )
     after = parse_metrics(body)
     report = decide(base, before, after, health, health_error, timeout, stuck_after)
@@ -277,21 +266,32 @@ def read_status(
     return report
 
 
+_REMEDY_NO_METRICS = (
+    "check the URL (the server's own port, where /metrics is) and that the server is up"
+)
+_REMEDY_STOPPED = "the API server itself stopped answering: check its process and log"
+
+
+def _read_metrics(base: str, timeout: float) -> tuple[str | None, str]:
+    """``/metrics``' text, or None and why it could not be read."""
+    code, body, error = _get(base + "/metrics", timeout)
+    if code != 200:
+        return None, error or f"HTTP {code}"
+    return body, ""
+
+
 def _unreachable(
-    what: str,
     base: str,
-    code: int | None,
-    error: str | None,
+    summary: str,
     remedy: str,
     *,
     health_status: int | None = None,
     health_error: str | None = None,
 ) -> StatusReport:
-    why = error or f"HTTP {code}"
     return StatusReport(
         base,
         Verdict.UNREACHABLE,
-        f"{what}: {why}",
+        summary,
         remedy=remedy,
         health_status=health_status,
         health_error=health_error,

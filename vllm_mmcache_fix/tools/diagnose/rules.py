@@ -88,8 +88,7 @@ CACHE_FILE_MARKERS = STACK_FILE_MARKERS
 ENGINE_CORE_MARKER = ENGINE_CORE_PROCESS
 INPUT_THREAD_FUNCTION = ENGINE_INPUT_THREAD
 OUTPUT_THREAD_FUNCTION = ENGINE_OUTPUT_THREAD
-# comm is cut to 15 bytes: "VLLM::EngineCore" becomes "VLLM::EngineCor".
-# /proc/<pid>/comm holds 15 characters: "VLLM::EngineCor".
+# /proc/<pid>/comm holds 15 bytes: "VLLM::EngineCore" becomes "VLLM::EngineCor".
 _ENGINE_CORE_COMM = re.compile(re.escape(ENGINE_CORE_PROCESS[:9]))
 
 KIND_ENGINE_CORE = "EngineCore"

@@ -263,21 +263,16 @@ def apply(
     version: str | None = None,
     tool: str = "auto",
     follow_symlinks: bool = False,
+    reverse: bool = False,
 ) -> Outcome:
-    """Patch the tree (no-op when already patched)."""
-    return _change(root, patches_dir, version, tool, follow_symlinks, reverse=False)
+    """Patch the tree (no-op when already patched); with ``reverse``, undo the patch (no-op
+    when the tree is unpatched), as :func:`revert` does."""
+    return _change(root, patches_dir, version, tool, follow_symlinks, reverse=reverse)
 
 
-def revert(
-    root: Path | None = None,
-    *,
-    patches_dir: Path | None = None,
-    version: str | None = None,
-    tool: str = "auto",
-    follow_symlinks: bool = False,
-) -> Outcome:
-    """Undo the patch (no-op when the tree is unpatched)."""
-    return _change(root, patches_dir, version, tool, follow_symlinks, reverse=True)
+def revert(root: Path | None = None, **options: Any) -> Outcome:
+    """Undo the patch (no-op when the tree is unpatched); the options are :func:`apply`'s."""
+    return apply(root, reverse=True, **options)
 
 
 def _where(resolved: _Resolved) -> str:
