@@ -92,7 +92,8 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "vllm_mmcache_fix/drift_guard/journal.py",
-        (  # the guard's state, then the drift simulations on a released LRUCache
+        (  # the algorithm on its own, the guard's state, then the drift simulations
+            "tests/unit/test_drift_journal.py",
             "tests/unit/test_drift_state.py",
             "tests/realsrc/test_drift_requests.py",
             "tests/realsrc/test_drift.py",
