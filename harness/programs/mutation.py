@@ -111,7 +111,8 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "vllm_mmcache_fix/tools/check.py",
-        (  # VLLM_PLUGINS and entry points, then the check run in and out of process
+        (  # the verdict's logic, VLLM_PLUGINS and entry points, the check in and out of process
+            "tests/unit/test_check.py",
             "tests/unit/test_check_plugins.py",
             "tests/unit/test_sizing.py",
             "tests/unit/test_cli_inputs.py",
