@@ -936,3 +936,43 @@ def test_the_stuck_error_is_vllms_engine_dead_error_or_a_runtime_error(
         assert type(got) is RuntimeError and str(got) == "stuck", base
     monkeypatch.delitem(sys.modules, "vllm.v1.engine.exceptions")
     assert type(fix.error("stuck")) is RuntimeError
+
+
+def test_a_fix_that_was_never_installed_never_marks_the_process_serving() -> None:
+    fix = health_fix.EngineHealth()  # no timeout read, no heartbeat
+
+    async def go() -> None:
+        engine = types.SimpleNamespace(engine_core=Client())
+        fix.attach(engine)
+        assert fix.verdict(engine) is None
+
+    run(go())
+    assert not fix.serving and fix.errors.total == 0
+
+
+def test_every_failing_check_is_counted_and_signalled_per_stuck_engine() -> None:
+    fix = _fix()
+    failed: list[str] = []
+    signals.ENGINE_HEALTH_FAILED.connect(failed.append)
+
+    async def go() -> tuple[Any, ...]:
+        client = Client(engines=2)
+        client.hold = True
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        beat = fix.liveness.heartbeats[client]  # type: ignore[union-attr]
+        for now in (0.0, TIMEOUT / 2, TIMEOUT + 1, TIMEOUT + 2):
+            beat.tick(client, now, responsive=True)
+        verdicts = [fix.verdict(engine) for _ in range(2)]
+        counts = [b.failed_checks for b in beat.beats]
+        names = [b.name for b in beat.beats]
+        beat.stop("done")
+        return verdicts, counts, names
+
+    try:
+        verdicts, counts, names = run(go())
+    finally:
+        signals.ENGINE_HEALTH_FAILED.disconnect(failed.append)
+    assert all(v is not None and v.count("has not answered") == 2 for v in verdicts), verdicts
+    assert counts == [2, 2]
+    assert sorted(failed) == sorted(names * 2)
