@@ -135,6 +135,7 @@ def test_causes_come_in_the_order_an_operator_fixes_them() -> None:
     # Not installed: whether VLLM_PLUGINS lists it is moot.
     assert causes(rep) == [Cause.NOT_INSTALLED, Cause.MODE_OFF, Cause.PATCH_FAILED]
     assert rep.cause == "not_installed" and rep.verdict is Verdict.UNPROTECTED
+    assert rep.remedy == rep.findings[0].remedy != rep.findings[1].remedy
     rep = decided(report(plugin_allowed=False, mode="warn"), allowed=["other"])
     assert causes(rep) == [Cause.FILTERED_BY_VLLM_PLUGINS, Cause.MODE_WARN]
     assert rep.cause == "filtered_by_vllm_plugins" and rep.verdict is Verdict.INACTIVE
@@ -394,3 +395,217 @@ def test_the_run_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("importlib.util.find_spec", broken)
     assert check._run_check({}).verdict is Verdict.NO_VLLM
+
+
+# -- the trial patch over a stand-in factory ---------------------------------------------------
+
+
+class Built:
+    """A cache vLLM's factory builds; ``fixed``: the eviction fix's class."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        self.fixed = fixed
+
+
+@pytest.fixture
+def factory(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM 0.31+'s ``MultiModalCache.get_lru_cache`` (a classmethod) building ``Built``;
+    the eviction fix's class test, compatibility check, upgrade and probe are stand-ins."""
+    from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
+
+    module = types.ModuleType("vllm.multimodal.cache.base")
+
+    class MultiModalCache:
+        fixed = False
+        calls = 0
+        fail_at: int | None = None
+
+        @classmethod
+        def get_lru_cache(cls, capacity_gb: float, value_type: type) -> Any:
+            cls.calls += 1
+            if cls.calls == cls.fail_at:
+                raise RuntimeError("boom")
+            return Built(cls.fixed)
+
+    MultiModalCache.__module__ = module.__name__
+    module.MultiModalCache = MultiModalCache  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(fixed_cache, "is_fixed", lambda cache: cache.fixed)
+    monkeypatch.setattr(fixed_cache, "check_compatible", lambda cache: None)
+
+    def upgrade(cache: Built) -> Built:
+        cache.fixed = True
+        return cache
+
+    monkeypatch.setattr(fixed_cache, "upgrade", upgrade)
+    monkeypatch.setattr(check, "probe", lambda cls: SAFE)
+    return MultiModalCache
+
+
+def test_the_trial_patch_works_and_is_reverted(factory: Any) -> None:
+    from vllm_mmcache_fix.core import registry
+
+    rep = report(target=None)
+    assert check._trial_patch(rep) == (check._Trial.WORKS, "")
+    assert rep.target == "vllm.multimodal.cache.base.MultiModalCache.get_lru_cache"
+    assert rep.source_patched is False  # vLLM's own factory builds the plain class
+    assert factory.calls == 2
+    assert not registry.is_patched(factory, "get_lru_cache")
+    assert factory.get_lru_cache(1.0, object).fixed is False
+
+
+def test_a_source_patched_factory_is_told_by_what_it_builds(
+    factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    factory.fixed = True
+    rep = report()
+    assert check._trial_patch(rep)[0] is check._Trial.WORKS
+    assert rep.source_patched is True
+    # A fixed class whose eviction still stalls is not fixed.
+    monkeypatch.setattr(check, "probe", lambda cls: STALLS)
+    rep = report()
+    assert check._trial_patch(rep) == (
+        check._Trial.FAILS,
+        "the patched factory still builds caches whose eviction can stall",
+    )
+    assert rep.source_patched is False
+    monkeypatch.setattr(check, "probe", lambda cls: GHOST)
+    assert check._builds_fixed(Built(True)) is False
+    monkeypatch.setattr(check, "probe", lambda cls: SAFE)
+    assert check._builds_fixed(Built(True)) is True
+    assert check._builds_fixed(Built(False)) is False
+
+
+def test_the_trial_patch_reports_each_way_it_fails(
+    factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_mmcache_fix.core import registry
+    from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
+
+    factory.fail_at = 1  # vLLM's own factory
+    assert check._trial_patch(report()) == (
+        check._Trial.FAILS,
+        "vLLM's get_lru_cache failed: RuntimeError('boom')",
+    )
+    factory.calls, factory.fail_at = 0, 2  # the patched one
+    rep = report()
+    assert check._trial_patch(rep) == (
+        check._Trial.FAILS,
+        "vLLM's get_lru_cache failed: RuntimeError('boom')",
+    )
+    assert rep.source_patched is False and not registry.is_patched(factory, "get_lru_cache")
+    factory.fail_at = None
+    monkeypatch.setattr(fixed_cache, "check_compatible", lambda cache: "no touch()")
+    assert check._trial_patch(report()) == (check._Trial.FAILS, "no touch()")
+    monkeypatch.setattr(fixed_cache, "check_compatible", lambda cache: None)
+
+    def broken(cache: Any) -> Any:
+        raise ValueError("cannot upgrade")
+
+    monkeypatch.setattr(fixed_cache, "upgrade", broken)
+    why = check._trial_patch(report())
+    assert why == (check._Trial.FAILS, "the patch's hook failed: ValueError('cannot upgrade')")
+    assert not registry.is_patched(factory, "get_lru_cache")
+
+
+def test_a_factory_the_plugin_patched_already_is_tried_as_it_is(factory: Any) -> None:
+    from vllm_mmcache_fix.core import registry
+    from vllm_mmcache_fix.lru_eviction.factory import PATCH_FIX, wrap_factory
+    from vllm_mmcache_fix.lru_eviction.locate import locate_mm_cache_factory
+
+    located = locate_mm_cache_factory()
+    assert wrap_factory(PATCH_FIX, located, lambda cache, gb: cache, lambda exc: None)
+    try:
+        rep = report()
+        # The plugin's wrapper here leaves the cache as built: not fixed.
+        assert check._trial_patch(rep)[0] is check._Trial.FAILS
+        assert rep.source_patched is None and factory.calls == 1
+        assert registry.is_patched(factory, "get_lru_cache")  # left as found
+    finally:
+        registry.revert(factory, "get_lru_cache")
+
+
+def test_no_factory_where_vllm_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "vllm.multimodal.cache.base",
+        "vllm.multimodal.cache",
+        "vllm.multimodal.processing",
+    ):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it fails
+    rep = report(target=None)
+    trial, why = check._trial_patch(rep)
+    assert trial is check._Trial.LAYOUT_NOT_FOUND and rep.target is None
+    assert why.startswith("multimodal cache factory not found: ")
+    assert check._probe_installed(rep) is None
+    assert rep.problems[0].startswith("vLLM's LRUCache not found: ")
+
+
+def test_the_source_patch_state_is_read_from_vllms_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from vllm_mmcache_fix.tools import source_patch
+
+    rep = report()
+    check._source_patch_state(rep)  # no vLLM location: nothing read
+    assert rep.source_patch is None
+    seen: list[Path] = []
+
+    def inspect(root: Path) -> Any:
+        seen.append(root)
+        return types.SimpleNamespace(
+            state="applied", patch_file="p.patch", release="0.23.0", message="m"
+        )
+
+    monkeypatch.setattr(source_patch, "inspect_tree", inspect)
+    rep = report(vllm_location=str(tmp_path / "vllm"))
+    check._source_patch_state(rep)
+    assert seen == [tmp_path]
+    assert rep.source_patch == {
+        "state": "applied",
+        "patch_file": "p.patch",
+        "release": "0.23.0",
+        "message": "m",
+    }
+
+    def unreadable(root: Path) -> Any:
+        raise OSError("no patches directory")
+
+    monkeypatch.setattr(source_patch, "inspect_tree", unreadable)
+    check._source_patch_state(rep)
+    assert rep.source_patch == {"state": None, "message": "OSError: no patches directory"}
+
+
+def test_the_plugins_own_entry_point_is_not_another_plugin_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    group = ".".join(["vllm", "general_plugins"])  # as read from metadata: not the constant
+
+    def row(name: str, group: str, loads: bool = False, ascend: bool = False) -> dict[str, Any]:
+        return {
+            "group": group,
+            "name": name,
+            "distribution": "d-" + name,
+            "loads": loads,
+            "vllm_ascend": ascend,
+        }
+
+    rows = [
+        row("mmcache_fix", group),
+        row("zeta", group),
+        row("mmcache_fix", "vllm.platform_plugins"),
+        row("kept", group, loads=True),
+    ]
+    monkeypatch.setattr(check, "plugin_entry_points", lambda groups, allowed: rows)
+    rep = report(vllm_plugins="kept")
+    check._report_plugins(rep, ["kept"])
+    assert [r["name"] for r in rep.filtered_out] == ["mmcache_fix", "zeta", "mmcache_fix"]
+    (problem,) = rep.problems
+    assert problem == (
+        "VLLM_PLUGINS='kept' leaves out installed plugin(s) zeta (vllm.general_plugins, d-zeta), "
+        "mmcache_fix (vllm.platform_plugins, d-mmcache_fix): vLLM silently skips them; list "
+        "them in VLLM_PLUGINS if the server needs them"
+    )
+    assert rep.strict_problems == [problem]
+    rep = report()
+    check._report_plugins(rep, None)  # VLLM_PLUGINS unset: nothing is filtered out
+    assert rep.filtered_out == [] and rep.problems == []
