@@ -550,3 +550,31 @@ def test_settle_front_moves_the_oldest_misplaced_key_only_when_it_is_oldest() ->
     shadow.seq["c"] = 5
     shadow.settle_front()
     assert shadow._misplaced_heap == [] and shadow.misplaced == {}
+
+
+def test_settle_front_takes_the_oldest_of_several_misplaced_keys() -> None:
+    cache, shadow = sender("abcd")
+    for target, key in ((-2, "d"), (-1, "c")):
+        shadow.seq[key] = target
+        shadow.misplaced[key] = target
+    shadow._misplaced_heap = [(-2, 0, "d"), (-1, 1, "c")]
+    shadow.settle_front()
+    assert order(cache) == "dabc" and shadow.misplaced == {"c": -1}
+    shadow.settle_front()  # c belongs after d, the front now: it stays
+    assert order(cache) == "dabc" and shadow.misplaced == {"c": -1}
+    assert shadow.logical_order() == list("dcab")
+
+
+def test_a_rollback_puts_a_key_at_the_newest_move_of_the_requests_still_pending() -> None:
+    # Requests processed side by side: the first moves b again after the second moved b
+    # and c. Undoing a third move of b puts b back after c (the first's last move).
+    cache, shadow = sender("abcd")
+    first, second, third = Journal(shadow), Journal(shadow), Journal(shadow)
+    send(cache, first, "b")
+    send(cache, second, "bc")
+    send(cache, first, "b")
+    send(cache, third, "b")
+    assert shadow.touched["b"] == [first, second, third]
+    assert shadow.rollback(third).done
+    assert shadow.seq["b"] == first.my_seq["b"]
+    assert order(cache) == "adcb"
