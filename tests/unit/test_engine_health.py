@@ -976,3 +976,18 @@ def test_every_failing_check_is_counted_and_signalled_per_stuck_engine() -> None
     assert all(v is not None and v.count("has not answered") == 2 for v in verdicts), verdicts
     assert counts == [2, 2]
     assert sorted(failed) == sorted(names * 2)
+
+
+def test_timeout_zero_outside_a_loop_is_not_serving_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMCACHE_FIX_HEALTH_TIMEOUT", "0")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    engine = types.SimpleNamespace(engine_core=Client())
+    fix.attach(engine)  # vLLM built the client outside an event loop
+    assert not fix.serving and fix.errors.total == 0 and fix.switched_off is None
+
+    async def go() -> None:
+        fix.attach(engine)
+
+    run(go())
+    assert fix.serving and fix.errors.total == 0
