@@ -578,3 +578,44 @@ def test_a_rollback_puts_a_key_at_the_newest_move_of_the_requests_still_pending(
     assert shadow.rollback(third).done
     assert shadow.seq["b"] == first.my_seq["b"]
     assert order(cache) == "adcb"
+
+
+def test_a_pending_move_stays_newest_in_a_cache_past_many_accesses() -> None:
+    keys = [f"k{i:03}" for i in range(100)]
+    cache = Cache(len(keys))
+    for key in keys:
+        cache[key] = key
+    shadow = Shadow(cache)
+    cache.shadow = shadow
+    first, second = Journal(shadow), Journal(shadow)
+    send(cache, first, ["k090"])
+    send(cache, second, ["k090"])
+    shadow.rollback(second)
+    # The first request's move (pending) is newer than any position EngineCore has.
+    assert list(cache._LRUCache__order)[-1] == "k090"
+    assert shadow.seq["k090"] == first.my_seq["k090"]
+
+
+def test_a_rollback_after_enginecore_saw_the_key_keeps_a_pending_move_newest() -> None:
+    cache, shadow = sender("abcd")
+    first, second = Journal(shadow), Journal(shadow)
+    send(cache, first, "b")
+    send(cache, second, "b")
+    send(cache, None, "b")  # an access that reached EngineCore at once
+    assert shadow.base["b"] == shadow.seq["b"] == 4
+    assert shadow.rollback(first).moved
+    assert shadow.seq["b"] == second.my_seq["b"]
+    assert order(cache) == "acdb"
+
+
+def test_an_evicted_entry_the_shadow_never_placed_counts_as_the_oldest() -> None:
+    cache, shadow = sender("a", maxsize=3)
+    cache["z"] = "Z"  # in the cache without a position in the shadow
+    journal = Journal(shadow)
+    send(cache, journal, "xyw")  # y evicts a, w evicts z
+    assert [(e.key, e.seq) for e in journal.evicted] == [("a", 0), ("z", None)]
+    shadow.owner.pop("y")
+    shadow.owner.pop("w")  # y and w stay: one slot for the two evicted entries
+    undone = shadow.rollback(journal)
+    assert (undone.removed, undone.restored) == (1, 1)
+    assert "a" in cache and "z" not in cache
