@@ -894,12 +894,13 @@ def test_the_patch_leaves_a_vllm_it_cannot_serve(
     fix = health_fix.EngineHealth()
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         assert fix._on_import("vllm.v1.engine.async_llm") is True
+        (problem,) = fix.problems
+        (warned,) = records(caplog, "has no engine= parameter")  # at the first import
         assert fix._on_import("vllm.v1.engine.async_llm") is True
     assert not registry.is_patched(cls, "check_health") and fix.targets == []
-    (problem,) = fix.problems
     assert problem.startswith("vllm.v1.engine.core_client.AsyncMPClient._call_utility_async has")
-    (warned,) = records(caplog, "has no engine= parameter")
     assert warned.endswith(problem)
+    assert len(records(caplog, "has no engine= parameter")) == 1
 
 
 def test_the_client_class_is_old_only_when_its_call_cannot_pick_an_engine(
@@ -991,3 +992,25 @@ def test_timeout_zero_outside_a_loop_is_not_serving_yet(monkeypatch: pytest.Monk
 
     run(go())
     assert fix.serving and fix.errors.total == 0
+
+
+def test_the_installed_heartbeat_pings_until_the_fix_is_switched_off() -> None:
+    fix = health_fix.EngineHealth()
+    fix._install()
+
+    async def go() -> tuple[Any, ...]:
+        client = Client()
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        beat = fix.liveness.heartbeats[client]  # type: ignore[union-attr]
+        await _until(lambda: bool(client.calls))
+        running = beat.stopped
+        fix.switched_off = "internal error at a test"
+        await _until(lambda: beat.stopped is not None)
+        stopped = beat.stopped
+        beat.stop("done")
+        return running, stopped, len(client.calls)
+
+    running, stopped, calls = run(go())
+    assert running is None and calls >= 1
+    assert stopped == "switched off after an internal error"
