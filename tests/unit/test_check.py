@@ -367,7 +367,16 @@ def test_the_run_when_vllm_does_not_import(
 
     def refuse(name: str, *args: Any) -> Any:
         if name == check.MM_PACKAGE:
-            raise SystemExit("no CUDA")
+            try:
+                try:
+                    try:
+                        raise OSError("libcuda.so.1: cannot open shared object file")
+                    except OSError as exc:
+                        raise ImportError("torch._C") from exc
+                except ImportError as exc:
+                    raise ImportError("torch") from exc
+            except ImportError:
+                raise SystemExit("no CUDA")  # noqa: B904 - a long traceback
         return real(name, *args)
 
     monkeypatch.setattr("importlib.import_module", refuse)
@@ -375,7 +384,7 @@ def test_the_run_when_vllm_does_not_import(
     rep = check._run_check({})
     assert rep.verdict is Verdict.VLLM_IMPORT_FAILED
     assert rep.vllm_import_error == "SystemExit: no CUDA"
-    assert rep.vllm_import_traceback and len(rep.vllm_import_traceback) <= 12
+    assert len(rep.vllm_import_traceback) == 12  # its last lines
     assert rep.vllm_import_traceback[-1] == "SystemExit: no CUDA"
     assert rep.summary.startswith("vLLM 0.23.0 is installed but does not import: SystemExit")
     assert rep.remedy.startswith("repair the vLLM installation")
@@ -609,3 +618,34 @@ def test_the_plugins_own_entry_point_is_not_another_plugin_left_out(
     rep = report()
     check._report_plugins(rep, None)  # VLLM_PLUGINS unset: nothing is filtered out
     assert rep.filtered_out == [] and rep.problems == []
+
+
+def test_vllm_ascend_filtered_out_gets_the_value_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def row(name: str, group: str, loads: bool) -> dict[str, Any]:
+        return {
+            "group": group,
+            "name": name,
+            "distribution": "vllm_ascend",
+            "loads": loads,
+            "vllm_ascend": True,
+        }
+
+    rows = [
+        row("ascend", "vllm.platform_plugins", True),
+        row("ascend_model", "vllm.general_plugins", False),
+        row("ascend_kv", "vllm.general_plugins", False),
+    ]
+    monkeypatch.setattr(check, "plugin_entry_points", lambda groups, allowed: rows)
+    rep = report(vllm_plugins="ascend,mmcache_fix")
+    check._report_plugins(rep, ["ascend", "mmcache_fix"])
+    assert rep.ascend_entry_points == ["ascend", "ascend_model", "ascend_kv"]
+    (problem,) = rep.problems
+    assert problem == (
+        "VLLM_PLUGINS='ascend,mmcache_fix' filters out vllm-ascend's ascend_model "
+        "(vllm.general_plugins), ascend_kv (vllm.general_plugins): vLLM silently skips them "
+        "(and with the general ones vllm-ascend's patches); use "
+        "VLLM_PLUGINS=ascend,ascend_kv,ascend_model,mmcache_fix"
+    )
+    assert rep.strict_problems == [problem]
