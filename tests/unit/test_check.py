@@ -649,3 +649,54 @@ def test_vllm_ascend_filtered_out_gets_the_value_that_keeps_it(
         "VLLM_PLUGINS=ascend,ascend_kv,ascend_model,mmcache_fix"
     )
     assert rep.strict_problems == [problem]
+
+
+def test_a_distribution_whose_metadata_cannot_be_read_is_skipped() -> None:
+    class Broken:
+        @property
+        def metadata(self) -> Any:
+            raise ValueError("bad METADATA")
+
+    class Fine:
+        metadata = {"Name": "acme"}
+        entry_points = [
+            types.SimpleNamespace(group="vllm.general_plugins", name="acme", value="acme:r")
+        ]
+
+    rows = check.plugin_entry_points(["vllm.general_plugins"], None, [Broken(), Fine()])
+    assert [(r["name"], r["distribution"], r["loads"]) for r in rows] == [("acme", "acme", True)]
+
+
+def test_the_entry_point_is_found_by_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    def installed(*names: str) -> None:
+        eps = [types.SimpleNamespace(name=name) for name in names]
+        monkeypatch.setattr(check.metadata, "entry_points", lambda **kw: eps)
+
+    installed("other", "mmcache_fix")
+    assert check._entry_point_found()
+    installed("zeta", "acme")
+    assert not check._entry_point_found()
+
+
+def test_the_plugin_version_ignores_our_name_in_other_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(check, "_dist_version", lambda name: {"other": "9", "ours": "1"}[name])
+    rows = [
+        {"group": "vllm.endpoint_plugins", "name": "mmcache_fix", "distribution": "other"},
+        {"group": "vllm.general_plugins", "name": "mmcache_fix", "distribution": "ours"},
+    ]
+    assert check._plugin_version(rows) == "1"
+    assert check._plugin_version(rows[:1]) is None
+
+
+def test_vllms_location_is_its_files_directory_or_else_where_its_spec_points(
+    vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    from importlib.machinery import ModuleSpec
+
+    vllm.__spec__ = ModuleSpec("vllm", None, origin="namespace")
+    assert check._run_check({}).vllm_location == str(tmp_path / "vllm")
+    vllm.__spec__ = ModuleSpec("vllm", None, origin=str(tmp_path / "spec" / "__init__.py"))
+    del vllm.__file__
+    assert check._run_check({}).vllm_location == str(tmp_path / "spec")
