@@ -656,3 +656,25 @@ def test_the_heap_of_misplaced_keys_stays_within_twice_their_number_plus_64() ->
             largest = max(largest, len(shadow._misplaced_heap))
         assert largest == 2 * count + 64, count
         assert shadow.logical_order() == keys
+
+
+def test_the_scan_for_a_keys_place_looks_at_most_place_scan_keys_from_either_end() -> None:
+    keys = [f"k{i:03}" for i in range(3 * PLACE_SCAN)]
+    last = len(keys) - 1
+    for index, placed in (
+        (PLACE_SCAN - 1, True),  # PLACE_SCAN - 1 keys before it
+        (PLACE_SCAN, False),
+        (last - PLACE_SCAN + 1, True),  # PLACE_SCAN - 1 keys after it
+        (last - PLACE_SCAN, False),
+    ):
+        cache = Cache(len(keys))
+        for key in keys:
+            cache[key] = key
+        shadow = Shadow(cache)
+        cache.shadow = shadow
+        journal = Journal(shadow)
+        send(cache, journal, [keys[index]])
+        shadow.rollback(journal)
+        assert (shadow.misplaced == {}) is placed, index
+        assert (list(cache._LRUCache__order) == keys) is placed, index
+        assert shadow.logical_order() == keys, index
