@@ -94,6 +94,8 @@ def test_a_pending_access_counts_above_every_enginecore_position() -> None:
     first, second = Journal(shadow), Journal(shadow)
     assert list(shadow.pending) == [first, second]
     assert first.state == PENDING and first.epoch == 0
+    # Nothing sent without its data yet: the processor keeps no replay for it.
+    assert first.sent_without_data == 0
     send(cache, first, "a")
     send(cache, second, "b")
     assert shadow.seq["a"] == PENDING_LEVEL and shadow.seq["b"] == PENDING_LEVEL + 1
@@ -678,3 +680,17 @@ def test_the_scan_for_a_keys_place_looks_at_most_place_scan_keys_from_either_end
         assert (shadow.misplaced == {}) is placed, index
         assert (list(cache._LRUCache__order) == keys) is placed, index
         assert shadow.logical_order() == keys, index
+
+
+def test_settle_front_drops_the_heap_entry_of_a_key_no_longer_misplaced() -> None:
+    cache, shadow = sender("abcd")
+    shadow.seq["d"] = -1
+    shadow.misplaced["d"] = -1
+    shadow.seq["c"] = 5  # misplaced too, but newer than the front
+    shadow.misplaced["c"] = 5
+    shadow._misplaced_heap = [(-1, 0, "d"), (5, 1, "c")]
+    send(cache, None, "d")  # accessed: where its counter says now
+    assert shadow.misplaced == {"c": 5}
+    shadow.settle_front()
+    assert shadow._misplaced_heap == [(5, 1, "c")] and shadow.misplaced == {"c": 5}
+    assert order(cache) == "abcd"
