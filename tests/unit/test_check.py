@@ -134,6 +134,7 @@ def test_causes_come_in_the_order_an_operator_fixes_them() -> None:
     )
     # Not installed: whether VLLM_PLUGINS lists it is moot.
     assert causes(rep) == [Cause.NOT_INSTALLED, Cause.MODE_OFF, Cause.PATCH_FAILED]
+    assert rep.summary.startswith(rep.findings[0].detail + "; ")
     assert rep.cause == "not_installed" and rep.verdict is Verdict.UNPROTECTED
     assert rep.remedy == rep.findings[0].remedy != rep.findings[1].remedy
     rep = decided(report(plugin_allowed=False, mode="warn"), allowed=["other"])
@@ -205,7 +206,7 @@ def test_a_secret_settings_value_is_hidden() -> None:
     empty = row("MMCACHE_FIX_API_TOKEN", "", None)
     assert empty["raw"] == "" and empty["effective"] is None
     plain = row("MMCACHE_FIX_MODE", "on", "on")
-    assert plain["raw"] == "on" and plain["effective"] == "on"
+    assert plain["raw"] == "on" and plain["effective"] == "on" and plain["values"] == "any"
     floor = row(ENV_HEALTH_TIMEOUT, None, 60.0)
     assert floor["values"].startswith("0 (off) or seconds >= ")
 
@@ -598,10 +599,11 @@ def test_the_plugins_own_entry_point_is_not_another_plugin_left_out(
             "vllm_ascend": ascend,
         }
 
+    ours = "".join(["mmcache", "_fix"])  # (as read from metadata: not the constant)
     rows = [
-        row("mmcache_fix", group),
+        row(ours, group),
         row("zeta", group),
-        row("mmcache_fix", "vllm.platform_plugins"),
+        row(ours, "vllm.platform_plugins"),
         row("kept", group, loads=True),
     ]
     monkeypatch.setattr(check, "plugin_entry_points", lambda groups, allowed: rows)
@@ -682,9 +684,10 @@ def test_the_plugin_version_ignores_our_name_in_other_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(check, "_dist_version", lambda name: {"other": "9", "ours": "1"}[name])
+    ours = "".join(["mmcache", "_fix"])  # (as read from metadata: not the constant)
     rows = [
-        {"group": "vllm.endpoint_plugins", "name": "mmcache_fix", "distribution": "other"},
-        {"group": "vllm.general_plugins", "name": "mmcache_fix", "distribution": "ours"},
+        {"group": "vllm.endpoint_plugins", "name": ours, "distribution": "other"},
+        {"group": "vllm.general_plugins", "name": ours, "distribution": "ours"},
     ]
     assert check._plugin_version(rows) == "1"
     assert check._plugin_version(rows[:1]) is None
@@ -700,3 +703,18 @@ def test_vllms_location_is_its_files_directory_or_else_where_its_spec_points(
     vllm.__spec__ = ModuleSpec("vllm", None, origin=str(tmp_path / "spec" / "__init__.py"))
     del vllm.__file__
     assert check._run_check({}).vllm_location == str(tmp_path / "spec")
+
+
+def test_a_name_installed_twice_is_read_once_and_the_rest_still_read() -> None:
+    class Dist:
+        def __init__(self, name: str, ep: str) -> None:
+            self.metadata = {"Name": name}
+            self.entry_points = [
+                types.SimpleNamespace(group="console_scripts", name=name, value="m:main"),
+                types.SimpleNamespace(group="vllm.general_plugins", name=ep, value="m:f"),
+            ]
+
+    dists = [Dist("acme", "first"), Dist("Acme", "second"), Dist("zeta", "third")]
+    rows = check.plugin_entry_points(["vllm.general_plugins"], None, dists)
+    # (a console script before the plugin is not vLLM's: skipped, the plugin still read)
+    assert [r["name"] for r in rows] == ["first", "third"]
