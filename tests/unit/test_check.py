@@ -143,9 +143,9 @@ def test_causes_come_in_the_order_an_operator_fixes_them() -> None:
 
 
 def test_a_source_patched_vllm_is_protected_by_its_own_files() -> None:
-    rep = decided(report(mode="off", source_patched=True))
+    rep = decided(report(mode="off", source_patched=True), trial=check._Trial.FAILS)
     assert rep.verdict is Verdict.PROTECTED_SOURCE_PATCH
-    assert rep.cause == "mode_off"
+    assert rep.cause == "mode_off" and len(rep.findings) == 2
     assert rep.summary.startswith("vLLM's own files carry the source patch")
     assert rep.summary.endswith(f"({ENV_MODE}=off: the plugin does nothing)")
 
@@ -280,7 +280,8 @@ def test_reading_the_environment_flags_another_installed_version_and_ascend(
     ]
     assert rep.strict_problems == []
     for env in ({}, {"VLLM_PLUGINS": "ascend,mmcache_fix"}):
-        _environment(monkeypatch, version=__version__, ascend="0.23.0")
+        same = "".join(list(__version__))  # the same version, read from metadata
+        _environment(monkeypatch, version=same, ascend="0.23.0")
         rep = report()
         check._read_environment(rep, env)
         assert rep.ascend_allowed is True and rep.problems == [], env
@@ -604,17 +605,20 @@ def test_the_plugins_own_entry_point_is_not_another_plugin_left_out(
         row(ours, group),
         row("zeta", group),
         row(ours, "vllm.platform_plugins"),
+        row(ours, "vllm.endpoint_plugins"),
         row("kept", group, loads=True),
     ]
     monkeypatch.setattr(check, "plugin_entry_points", lambda groups, allowed: rows)
     rep = report(vllm_plugins="kept")
     check._report_plugins(rep, ["kept"])
-    assert [r["name"] for r in rep.filtered_out] == ["mmcache_fix", "zeta", "mmcache_fix"]
+    names = [r["name"] for r in rep.filtered_out]
+    assert names == ["mmcache_fix", "zeta", "mmcache_fix", "mmcache_fix"]
     (problem,) = rep.problems
     assert problem == (
         "VLLM_PLUGINS='kept' leaves out installed plugin(s) zeta (vllm.general_plugins, d-zeta), "
-        "mmcache_fix (vllm.platform_plugins, d-mmcache_fix): vLLM silently skips them; list "
-        "them in VLLM_PLUGINS if the server needs them"
+        "mmcache_fix (vllm.platform_plugins, d-mmcache_fix), mmcache_fix "
+        "(vllm.endpoint_plugins, d-mmcache_fix): vLLM silently skips them; list them in "
+        "VLLM_PLUGINS if the server needs them"
     )
     assert rep.strict_problems == [problem]
     rep = report()
@@ -674,7 +678,7 @@ def test_the_entry_point_is_found_by_its_name(monkeypatch: pytest.MonkeyPatch) -
         eps = [types.SimpleNamespace(name=name) for name in names]
         monkeypatch.setattr(check.metadata, "entry_points", lambda **kw: eps)
 
-    installed("other", "mmcache_fix")
+    installed("other", "".join(["mmcache", "_fix"]))  # (read from metadata: not the constant)
     assert check._entry_point_found()
     installed("zeta", "acme")
     assert not check._entry_point_found()
@@ -703,6 +707,8 @@ def test_vllms_location_is_its_files_directory_or_else_where_its_spec_points(
     vllm.__spec__ = ModuleSpec("vllm", None, origin=str(tmp_path / "spec" / "__init__.py"))
     del vllm.__file__
     assert check._run_check({}).vllm_location == str(tmp_path / "spec")
+    vllm.__spec__ = ModuleSpec("vllm", None, origin="namespace")
+    assert check._run_check({}).vllm_location is None
 
 
 def test_a_name_installed_twice_is_read_once_and_the_rest_still_read() -> None:
@@ -718,3 +724,12 @@ def test_a_name_installed_twice_is_read_once_and_the_rest_still_read() -> None:
     rows = check.plugin_entry_points(["vllm.general_plugins"], None, dists)
     # (a console script before the plugin is not vLLM's: skipped, the plugin still read)
     assert [r["name"] for r in rows] == ["first", "third"]
+    assert not any(r["vllm_ascend"] for r in rows)  # ("zeta" sorts after "vllm-ascend")
+
+
+def test_the_plugin_groups_are_the_known_ones_when_vllms_plugins_file_cannot_be_read(
+    tmp_path: Path,
+) -> None:
+    known = [group for group, _ in check.PLUGIN_GROUPS]
+    assert check.vllm_plugin_groups(str(tmp_path / "no-vllm-here")) == known
+    assert check.vllm_plugin_groups(None) == known
