@@ -217,12 +217,13 @@ def test_the_plugin_version_is_the_distribution_with_our_entry_point(
     versions = {"ours": "1.2", "other": "9"}
     monkeypatch.setattr(check, "_dist_version", lambda name: versions.get(name))
     rows = [
+        {"group": "vllm.general_plugins", "name": "acme", "distribution": "other"},
         {"group": "vllm.general_plugins", "name": "other_plugin", "distribution": "other"},
         {"group": "vllm.platform_plugins", "name": "mmcache_fix", "distribution": "other"},
         {"group": "vllm.general_plugins", "name": "mmcache_fix", "distribution": "ours"},
     ]
     assert check._plugin_version(rows) == "1.2"
-    assert check._plugin_version(rows[:2]) is None
+    assert check._plugin_version(rows[:3]) is None
 
 
 def test_the_first_installed_name_gives_the_version() -> None:
@@ -297,6 +298,7 @@ def test_plugin_loads_says_why_from_metadata_alone(monkeypatch: pytest.MonkeyPat
     )
     assert check.plugin_loads({"VLLM_PLUGINS": "other"}) is None
     assert check.plugin_loads({ENV_MODE: "warn"}) is None
+    assert check.plugin_loads({ENV_MODE: "off"}) is None
     _environment(monkeypatch)
     assert check.plugin_loads({}) == (
         f"vllm-mmcache-fix {__version__} is installed, VLLM_PLUGINS is unset, {ENV_MODE}=on"
@@ -341,7 +343,7 @@ def test_the_run_on_a_vllm_the_plugin_protects(vllm: types.ModuleType) -> None:
 def test_the_run_reads_the_source_patch_state_when_the_factory_did_not_say(
     vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def state(value: str) -> Any:
+    def state(value: str | None) -> Any:
         return lambda rep: setattr(rep, "source_patch", {"state": value})
 
     monkeypatch.setattr(check, "_trial_patch", lambda rep: (check._Trial.FAILS, "broken"))
@@ -349,8 +351,9 @@ def test_the_run_reads_the_source_patch_state_when_the_factory_did_not_say(
     rep = check._run_check({})
     assert rep.source_patched is True and rep.verdict is Verdict.PROTECTED_SOURCE_PATCH
     assert rep.patch_works is False and rep.cause == "patch_failed"
-    monkeypatch.setattr(check, "_source_patch_state", state("not_applied"))
-    assert check._run_check({}).source_patched is False
+    for other in ("unpatched", None):
+        monkeypatch.setattr(check, "_source_patch_state", state(other))
+        assert check._run_check({}).source_patched is False, other
 
     def trial(rep: CheckReport) -> Any:
         rep.source_patched = False
@@ -733,3 +736,14 @@ def test_the_plugin_groups_are_the_known_ones_when_vllms_plugins_file_cannot_be_
     known = [group for group, _ in check.PLUGIN_GROUPS]
     assert check.vllm_plugin_groups(str(tmp_path / "no-vllm-here")) == known
     assert check.vllm_plugin_groups(None) == known
+
+
+def test_an_installed_version_newer_than_this_check_is_flagged_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _environment(monkeypatch, version="99.0")
+    rep = report()
+    check._read_environment(rep, {})
+    assert rep.problems == [
+        f"this check runs vllm-mmcache-fix {__version__}, but vLLM would load the installed 99.0"
+    ]
