@@ -5,6 +5,8 @@ Usage::
     scripts/mutation                                   # every core file, in order
     scripts/mutation --files vllm_mmcache_fix/lru_eviction/cache.py
     scripts/mutation --summary                         # rewrite compat/mutation.json and stop
+    scripts/mutation --files F --survivors-of C        # F's session from C's: run its
+                                                       # survivors and pending mutants again
 
 The tool is cosmic-ray (pyproject's ``mutation`` dependency group, in its own venv
 ``<cache>/venvs/mutation``). It changes files on disk, so it works in a copy of this
@@ -19,6 +21,10 @@ inside type annotations are equivalent by construction (every core module has
 holds, per file, the commit the session ran on, the counts, the score and every survivor;
 ``equivalent`` in that file lists the survivors judged equivalent, each with why (kept
 across reruns by the survivor's operator, line and occurrence).
+
+``--survivors-of C`` starts a commit's session of a file from commit ``C``'s session of it,
+when the file is the same in both (tests were added since): the mutants ``C``'s tests
+killed count as killed, and its survivors run again with pending ones.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -85,13 +92,34 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "vllm_mmcache_fix/drift_guard/journal.py",
-        ("tests/unit", "tests/realsrc/test_drift.py", "tests/realsrc/test_drift_model.py"),
+        (  # the algorithm on its own, the guard's state, then the drift simulations
+            "tests/unit/test_drift_journal.py",
+            "tests/unit/test_drift_state.py",
+            "tests/realsrc/test_drift_requests.py",
+            "tests/realsrc/test_drift.py",
+            "tests/realsrc/test_drift_costs.py",
+            "tests/realsrc/test_drift_model.py",
+        ),
     ),
     Target(
         "vllm_mmcache_fix/engine_liveness/health.py",
-        ("tests/unit", "tests/realsrc/test_engine_liveness_on_releases.py"),
+        (  # /health's wrapper and verdicts, the snapshot at a verdict, the fix's reset
+            "tests/unit/test_engine_health.py",
+            "tests/unit/test_stall_snapshot.py",
+            "tests/unit/test_fix_reset.py",
+        ),
     ),
-    Target("vllm_mmcache_fix/tools/check.py", ("tests/unit",)),
+    Target(
+        "vllm_mmcache_fix/tools/check.py",
+        (  # the verdict's logic, VLLM_PLUGINS and entry points, the check in and out of process
+            "tests/unit/test_check.py",
+            "tests/unit/test_check_plugins.py",
+            "tests/unit/test_sizing.py",
+            "tests/unit/test_cli_inputs.py",
+            "tests/unit/test_cli_convention.py",
+        ),
+        ("-k", "check or unexpected_failure"),
+    ),
 )
 """In this order: the eviction fix first; the others last (they change most often)."""
 
@@ -206,6 +234,26 @@ print(marked)
 """Marks the mutants inside annotations as done, equivalent, before any runs."""
 
 
+def seed(target: Target, work: Path, commit: str, previous: str) -> None:
+    """This commit's session of ``target`` starts as ``previous``'s without its survivors'
+    results (they run again); ``target`` must be the same file in both commits."""
+    session = session_file(work, target)
+    if session.exists():
+        return
+    old = session_file(cache_root() / "mutation" / previous[:12], target)
+    if not old.exists():
+        raise SystemExit(f"{target.path}: no session of {previous[:12]} ({old})")
+    same = subprocess.run(
+        ["git", "diff", "--quiet", previous, commit, "--", target.path], cwd=REPO_ROOT
+    )
+    if same.returncode != 0:
+        raise SystemExit(f"{target.path} changed since {previous[:12]}: run its session whole")
+    shutil.copyfile(old, session)
+    with sqlite3.connect(session) as db:
+        again = db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'").rowcount
+    _log(f"{target.path}: session of {previous[:12]} taken over; {again} survivors run again")
+
+
 def run(target: Target, work: Path, src: Path, tool: Path, commit: str) -> None:
     restore(commit, src, target.path)
     cfg = work / (target.path.replace("/", "__") + ".toml")
@@ -309,8 +357,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="default: HEAD")
     ap.add_argument("--summary", action="store_true", help="write compat/mutation.json only")
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--survivors-of",
+        metavar="COMMIT",
+        default=None,
+        help="start from COMMIT's sessions (files unchanged since): run only survivors and pending",
+    )
     args = ap.parse_args(argv)
     commit = args.commit or commits.head()
+    previous = None
+    if args.survivors_of:
+        previous = subprocess.run(
+            ["git", "rev-parse", "--verify", f"{args.survivors_of}^{{commit}}"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     targets = [t for t in TARGETS if t.path in args.files]
     unknown = set(args.files) - {t.path for t in targets}
     if unknown:
@@ -321,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summary:
         src = copy_tree(commit, work)
         for target in targets:
+            if previous is not None:
+                seed(target, work, commit, previous)
             run(target, work, src, tool, commit)
     data = load_results(args.results)
     for target in targets:

@@ -725,3 +725,292 @@ def test_warn_mode_keeps_the_engine_check_as_documented(
     meaning = next(spec.meaning for spec in plugin.settings() if spec.name == "MMCACHE_FIX_MODE")
     assert "warn: leave the caches" in meaning and "/health check" in meaning
     assert "patch nothing" not in meaning
+
+
+# -- the fix's lifecycle: install, patch, uninstall ------------------------------------------
+
+
+def test_mode_off_leaves_health_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmcache_fix.core.lifecycle import DidNotEnable
+
+    monkeypatch.setenv("MMCACHE_FIX_MODE", "off")
+    fix = health_fix.EngineHealth()
+    with pytest.raises(DidNotEnable, match="MMCACHE_FIX_MODE=off"):
+        fix._install()
+    assert fix.liveness is None and fix.timeout is None
+
+
+def test_each_bad_timeout_is_warned_about_once_and_good_ones_are_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fix = health_fix.EngineHealth()
+    fix._install()
+    assert fix.problems == [] and fix.liveness is not None
+    assert fix.step_timeout == max(read_step_timeout().value, fix.timeout)
+    for name in (
+        "MMCACHE_FIX_HEALTH_TIMEOUT",
+        "MMCACHE_FIX_STEP_TIMEOUT",
+        "MMCACHE_FIX_PROGRESS_TIMEOUT",
+    ):
+        monkeypatch.setenv(name, "soon")
+        fix = health_fix.EngineHealth()
+        with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+            caplog.clear()
+            fix._install()
+            fix._install()
+        assert len(fix.problems) == 1 and name in fix.problems[0], name
+        (warned,) = records(caplog, name)
+        assert warned.endswith(fix.problems[0]), name
+        monkeypatch.delenv(name)
+
+
+def test_uninstall_stops_every_heartbeat() -> None:
+    fix = _fix()
+
+    async def go() -> list[Any]:
+        clients = [Client(), Client(client_index=1)]
+        for client in clients:
+            fix.attach(types.SimpleNamespace(engine_core=client))
+        beats = list(fix.liveness.heartbeats.values())  # type: ignore[union-attr]
+        fix._uninstall()
+        return [beat.stopped for beat in beats]
+
+    assert run(go()) == ["uninstalled", "uninstalled"]
+
+
+def test_an_internal_error_outside_the_snapshots_stops_every_heartbeat() -> None:
+    fix = _fix()
+
+    async def go() -> tuple[Any, ...]:
+        engine = types.SimpleNamespace(engine_core=Client())  # (heartbeats are weakly held)
+        fix.attach(engine)
+        (beat,) = fix.liveness.heartbeats.values()  # type: ignore[union-attr]
+        fix.snapshots = object()  # type: ignore[assignment]
+        fix._on_internal_error(fix._snapshot_site.name, ValueError("disk full"))
+        after_snapshot = (fix.snapshots, fix.switched_off, beat.stopped)
+        fix._on_internal_error(fix._site.name, ValueError("bug"))
+        return after_snapshot, fix.switched_off, beat.stopped
+
+    after_snapshot, switched_off, stopped = run(go())
+    assert after_snapshot == (None, None, None)
+    assert switched_off == "internal error at engine_health.check: ValueError('bug')"
+    assert stopped == "switched off after an internal error"
+
+
+def test_the_first_heartbeat_says_once_that_this_process_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from vllm_mmcache_fix.core.messages import LIVENESS_ACTIVE
+
+    fix = _fix()
+    fix.step_timeout = fix.progress_timeout = 60.0
+
+    async def go() -> None:
+        engines = [types.SimpleNamespace(engine_core=Client(client_index=i)) for i in range(2)]
+        for engine in engines:
+            fix.attach(engine)
+        assert len(fix.liveness.heartbeats) == 2  # type: ignore[union-attr]
+        for beat in list(fix.liveness.heartbeats.values()):  # type: ignore[union-attr]
+            beat.stop("done")
+
+    assert not fix.serving
+    with caplog.at_level(logging.INFO, logger="vllm.mmcache_fix"):
+        run(go())
+    assert fix.serving
+    assert len(records(caplog, LIVENESS_ACTIVE)) == 1
+
+
+def _vllm_modules(
+    monkeypatch: pytest.MonkeyPatch, check_health: bool = True, engine_param: bool = True
+) -> type:
+    """Stand-ins of ``vllm.v1.engine.async_llm`` and ``core_client``."""
+    import sys
+
+    async def _check(self: Any) -> None:
+        return None
+
+    body: dict[str, Any] = {"__init__": lambda self: None}
+    if check_health:
+        body["check_health"] = _check
+    async_llm = types.ModuleType("vllm.v1.engine.async_llm")
+    cls = type("AsyncLLM", (), body)
+    cls.__module__ = async_llm.__name__
+    async_llm.AsyncLLM = cls  # type: ignore[attr-defined]
+
+    if engine_param:
+
+        async def call(self: Any, method: str, *args: Any, engine: Any = None) -> Any:
+            return None
+    else:
+
+        async def call(self: Any, method: str, *args: Any) -> Any:  # type: ignore[misc]
+            return None
+
+    core_client = types.ModuleType("vllm.v1.engine.core_client")
+    core_client.AsyncMPClient = type("AsyncMPClient", (), {"_call_utility_async": call})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, async_llm.__name__, async_llm)
+    monkeypatch.setitem(sys.modules, core_client.__name__, core_client)
+    return cls
+
+
+def test_the_patch_wraps_asyncllms_init_and_check_health(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_mmcache_fix.core import registry
+
+    cls = _vllm_modules(monkeypatch)
+    fix = health_fix.EngineHealth()
+    try:
+        assert fix._on_import("vllm.v1.engine.async_llm") is True
+        assert registry.is_patched(cls, "__init__") and registry.is_patched(cls, "check_health")
+        assert fix.targets == [
+            "vllm.v1.engine.async_llm.AsyncLLM.__init__",
+            "vllm.v1.engine.async_llm.AsyncLLM.check_health",
+        ]
+        assert fix.problems == []
+    finally:
+        registry.revert_patch(health_fix.PATCH_ID)
+    assert not registry.is_patched(cls, "check_health")
+
+
+def test_the_patch_leaves_a_vllm_it_cannot_serve(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    from vllm_mmcache_fix.core import registry
+
+    # No check_health on AsyncLLM.
+    cls = _vllm_modules(monkeypatch, check_health=False)
+    fix = health_fix.EngineHealth()
+    assert fix._on_import("vllm.v1.engine.async_llm") is True
+    assert not registry.is_patched(cls, "__init__") and fix.targets == []
+    assert fix.problems == ["vllm.v1.engine.async_llm.AsyncLLM.check_health or __init__ not found"]
+    # AsyncLLM is not a class.
+    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", lambda: None)
+    fix = health_fix.EngineHealth()
+    assert fix._on_import("vllm.v1.engine.async_llm") is True
+    assert fix.targets == [] and len(fix.problems) == 1
+    # The client's utility call cannot pick one engine: warned once, nothing patched.
+    cls = _vllm_modules(monkeypatch, engine_param=False)
+    fix = health_fix.EngineHealth()
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        assert fix._on_import("vllm.v1.engine.async_llm") is True
+        (problem,) = fix.problems
+        (warned,) = records(caplog, "has no engine= parameter")  # at the first import
+        assert fix._on_import("vllm.v1.engine.async_llm") is True
+    assert not registry.is_patched(cls, "check_health") and fix.targets == []
+    assert problem.startswith("vllm.v1.engine.core_client.AsyncMPClient._call_utility_async has")
+    assert warned.endswith(problem)
+    assert len(records(caplog, "has no engine= parameter")) == 1
+
+
+def test_the_client_class_is_old_only_when_its_call_cannot_pick_an_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "vllm.v1.engine.core_client", raising=False)
+    assert health_fix.EngineHealth._old_client_class() is None
+    _vllm_modules(monkeypatch)
+    assert health_fix.EngineHealth._old_client_class() is None
+    _vllm_modules(monkeypatch, engine_param=False)
+    assert health_fix.EngineHealth._old_client_class() == "vllm.v1.engine.core_client.AsyncMPClient"
+
+
+def test_the_stuck_error_is_vllms_engine_dead_error_or_a_runtime_error(
+    monkeypatch: pytest.MonkeyPatch, engine_dead_error: type
+) -> None:
+    import sys
+
+    fix = health_fix.EngineHealth()
+    try:
+        raise KeyError("inside vLLM")
+    except KeyError:
+        first = fix.error("EngineCore 0 has not answered")
+    assert isinstance(first, engine_dead_error) and type(first) is not engine_dead_error
+    assert str(first) == "EngineCore 0 has not answered" and first.__suppress_context__
+    assert type(first).__name__ == "EngineStuck" and type(first).__module__ == health_fix.__name__
+    assert type(fix.error("again")) is type(first)  # one class per base
+    module = sys.modules["vllm.v1.engine.exceptions"]
+    for base in (None, "EngineDeadError", int):
+        monkeypatch.setattr(module, "EngineDeadError", base)
+        got = fix.error("stuck")
+        assert type(got) is RuntimeError and str(got) == "stuck", base
+    monkeypatch.delitem(sys.modules, "vllm.v1.engine.exceptions")
+    assert type(fix.error("stuck")) is RuntimeError
+
+
+def test_a_fix_that_was_never_installed_never_marks_the_process_serving() -> None:
+    fix = health_fix.EngineHealth()  # no timeout read, no heartbeat
+
+    async def go() -> None:
+        engine = types.SimpleNamespace(engine_core=Client())
+        fix.attach(engine)
+        assert fix.verdict(engine) is None
+
+    run(go())
+    assert not fix.serving and fix.errors.total == 0
+
+
+def test_every_failing_check_is_counted_and_signalled_per_stuck_engine() -> None:
+    fix = _fix()
+    failed: list[str] = []
+    signals.ENGINE_HEALTH_FAILED.connect(failed.append)
+
+    async def go() -> tuple[Any, ...]:
+        client = Client(engines=2)
+        client.hold = True
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        beat = fix.liveness.heartbeats[client]  # type: ignore[union-attr]
+        for now in (0.0, TIMEOUT / 2, TIMEOUT + 1, TIMEOUT + 2):
+            beat.tick(client, now, responsive=True)
+        verdicts = [fix.verdict(engine) for _ in range(2)]
+        counts = [b.failed_checks for b in beat.beats]
+        names = [b.name for b in beat.beats]
+        beat.stop("done")
+        return verdicts, counts, names
+
+    try:
+        verdicts, counts, names = run(go())
+    finally:
+        signals.ENGINE_HEALTH_FAILED.disconnect(failed.append)
+    assert all(v is not None and v.count("has not answered") == 2 for v in verdicts), verdicts
+    assert counts == [2, 2]
+    assert sorted(failed) == sorted(names * 2)
+
+
+def test_timeout_zero_outside_a_loop_is_not_serving_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMCACHE_FIX_HEALTH_TIMEOUT", "0")
+    fix = health_fix.EngineHealth()
+    fix._install()
+    engine = types.SimpleNamespace(engine_core=Client())
+    fix.attach(engine)  # vLLM built the client outside an event loop
+    assert not fix.serving and fix.errors.total == 0 and fix.switched_off is None
+
+    async def go() -> None:
+        fix.attach(engine)
+
+    run(go())
+    assert fix.serving and fix.errors.total == 0
+
+
+def test_the_installed_heartbeat_pings_until_the_fix_is_switched_off() -> None:
+    fix = health_fix.EngineHealth()
+    fix._install()
+
+    async def go() -> tuple[Any, ...]:
+        client = Client()
+        engine = types.SimpleNamespace(engine_core=client)
+        fix.attach(engine)
+        beat = fix.liveness.heartbeats[client]  # type: ignore[union-attr]
+        await _until(lambda: bool(client.calls))
+        running = beat.stopped
+        fix.switched_off = "internal error at a test"
+        await _until(lambda: beat.stopped is not None)
+        stopped = beat.stopped
+        beat.stop("done")
+        return running, stopped, len(client.calls)
+
+    running, stopped, calls = run(go())
+    assert running is None and calls >= 1
+    assert stopped == "switched off after an internal error"
