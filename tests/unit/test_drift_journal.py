@@ -42,7 +42,11 @@ class Cache(LRUCache):  # type: ignore[type-arg]
         return key, value
 
 
-def sender(keys: str, maxsize: int = 16) -> tuple[Cache, Shadow]:
+WIDE = tuple(f"k{i:03}" for i in range(3 * PLACE_SCAN))
+"""Keys of a cache too wide to scan whole for a key's place."""
+
+
+def sender(keys: str | list[str], maxsize: int = 16) -> tuple[Cache, Shadow]:
     cache = Cache(maxsize)
     for key in keys:
         cache[key] = key.upper()
@@ -471,12 +475,8 @@ def test_prune_keeps_the_positions_of_keys_a_pending_request_evicted() -> None:
 
 
 def test_a_key_far_from_both_ends_is_left_misplaced_and_settled_before_an_eviction() -> None:
-    keys = [f"k{i:03}" for i in range(3 * PLACE_SCAN)]
-    cache = Cache(len(keys))
-    for key in keys:
-        cache[key] = key
-    shadow = Shadow(cache)
-    cache.shadow = shadow
+    keys = list(WIDE)
+    cache, shadow = sender(keys, maxsize=len(keys))
     middle = keys[PLACE_SCAN + PLACE_SCAN // 2]
     journal = Journal(shadow)
     cache.journal = journal
@@ -502,13 +502,9 @@ def test_a_key_far_from_both_ends_is_left_misplaced_and_settled_before_an_evicti
 
 
 def test_a_key_near_either_end_is_put_in_place() -> None:
-    keys = [f"k{i:03}" for i in range(3 * PLACE_SCAN)]
+    keys = list(WIDE)
     for index in (3, len(keys) - 3):
-        cache = Cache(len(keys) + 1)
-        for key in keys:
-            cache[key] = key
-        shadow = Shadow(cache)
-        cache.shadow = shadow
+        cache, shadow = sender(keys, maxsize=len(keys) + 1)
         key = keys[index]
         journal = Journal(shadow)
         send(cache, journal, [key])
@@ -584,11 +580,7 @@ def test_a_rollback_puts_a_key_at_the_newest_move_of_the_requests_still_pending(
 
 def test_a_pending_move_stays_newest_in_a_cache_past_many_accesses() -> None:
     keys = [f"k{i:03}" for i in range(100)]
-    cache = Cache(len(keys))
-    for key in keys:
-        cache[key] = key
-    shadow = Shadow(cache)
-    cache.shadow = shadow
+    cache, shadow = sender(keys, maxsize=len(keys))
     first, second = Journal(shadow), Journal(shadow)
     send(cache, first, ["k090"])
     send(cache, second, ["k090"])
@@ -641,12 +633,8 @@ def test_a_commit_leaves_alone_a_key_with_data_and_no_place_in_the_order() -> No
 
 
 def test_the_heap_of_misplaced_keys_stays_within_twice_their_number_plus_64() -> None:
-    keys = [f"k{i:03}" for i in range(3 * PLACE_SCAN)]
-    cache = Cache(len(keys))
-    for key in keys:
-        cache[key] = key
-    shadow = Shadow(cache)
-    cache.shadow = shadow
+    keys = list(WIDE)
+    cache, shadow = sender(keys, maxsize=len(keys))
     for count in (1, 2):
         middle = keys[len(keys) // 2 : len(keys) // 2 + count]
         largest = 0
@@ -661,7 +649,7 @@ def test_the_heap_of_misplaced_keys_stays_within_twice_their_number_plus_64() ->
 
 
 def test_the_scan_for_a_keys_place_looks_at_most_place_scan_keys_from_either_end() -> None:
-    keys = [f"k{i:03}" for i in range(3 * PLACE_SCAN)]
+    keys = list(WIDE)
     last = len(keys) - 1
     for index, placed in (
         (PLACE_SCAN - 1, True),  # PLACE_SCAN - 1 keys before it
@@ -669,11 +657,7 @@ def test_the_scan_for_a_keys_place_looks_at_most_place_scan_keys_from_either_end
         (last - PLACE_SCAN + 1, True),  # PLACE_SCAN - 1 keys after it
         (last - PLACE_SCAN, False),
     ):
-        cache = Cache(len(keys))
-        for key in keys:
-            cache[key] = key
-        shadow = Shadow(cache)
-        cache.shadow = shadow
+        cache, shadow = sender(keys, maxsize=len(keys))
         journal = Journal(shadow)
         send(cache, journal, [keys[index]])
         shadow.rollback(journal)
