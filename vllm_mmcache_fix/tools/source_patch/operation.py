@@ -270,9 +270,17 @@ def apply(
     return _change(root, patches_dir, version, tool, follow_symlinks, reverse=reverse)
 
 
-def revert(root: Path | None = None, **options: Any) -> Outcome:
-    """Undo the patch (no-op when the tree is unpatched); the options are :func:`apply`'s."""
-    return apply(root, reverse=True, **options)
+def revert(
+    root: Path | None = None,
+    *,
+    patches_dir: Path | None = None,
+    version: str | None = None,
+    tool: str = "auto",
+    follow_symlinks: bool = False,
+) -> Outcome:
+    """Undo the patch (no-op when the tree is unpatched): :func:`apply` with ``reverse``.
+    The options are spelled out so that a misspelt one fails type checking."""
+    return _change(root, patches_dir, version, tool, follow_symlinks, reverse=True)
 
 
 def _where(resolved: _Resolved) -> str:
