@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import commits
+from harness.evidence import full_commit
 from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
 
@@ -365,15 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     commit = args.commit or commits.head()
-    previous = None
-    if args.survivors_of:
-        previous = subprocess.run(
-            ["git", "rev-parse", "--verify", f"{args.survivors_of}^{{commit}}"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+    previous = full_commit(args.survivors_of) if args.survivors_of else None
     targets = [t for t in TARGETS if t.path in args.files]
     unknown = set(args.files) - {t.path for t in targets}
     if unknown:
