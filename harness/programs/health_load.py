@@ -74,8 +74,13 @@ from vllm_mmcache_fix.core.settings import (
     ENV_PROGRESS_TIMEOUT,
     ENV_STEP_TIMEOUT,
 )
-from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, VERDICT_CLASS
+from vllm_mmcache_fix.engine_liveness.heartbeat import (
+    ENGINE_NO_PROGRESS,
+    PING_INTERVAL_S,
+    VERDICT_CLASS,
+)
 from vllm_mmcache_fix.metrics import names
+from vllm_mmcache_fix.metrics.exporter import SYNC_INTERVAL_S
 
 RESULTS = REPO_ROOT / "compat" / "health-load.json"
 SCHEMA = 1
@@ -667,6 +672,9 @@ def run_serve(
             for name in phases:
                 run.phases[name] = steps[name]()
                 print(f"[health-load] {run.key} {name}: {run.phases[name]}", flush=True)
+            # The gauges follow the engine's next answer (one ping interval) and the
+            # exporter's next sync (one sync interval): read them once both have passed.
+            time.sleep(PING_INTERVAL_S + SYNC_INTERVAL_S + 0.5)
             run.phases["metrics_end"] = _plugin_metrics(url)
         except Exception as exc:  # noqa: BLE001 - kept in the result
             run.error = f"{type(exc).__name__}: {exc}"
