@@ -204,6 +204,16 @@ plugin adopts the engine at its first call: in a spawned EngineCore the plugin i
 inside ``EngineCore.__init__``, so a wrapper of ``__init__`` would miss the running one."""
 BUSY_LOOP_STEP = "_process_engine_step"
 """``EngineCoreProc._process_engine_step()``: one engine step (schedule, execute, outputs)."""
+DP_ENGINE_PROC_CLASS = ClassLayout("vllm.v1.engine.core", "DPEngineCoreProc", "0.10.0+")
+"""The busy loop of a data-parallel rank (``EngineCoreProc``'s subclass): after each step it
+runs a dummy batch when it had nothing to run and its peers are running, then
+:data:`DP_SYNC` with them."""
+DP_SYNC = "_has_global_unfinished_reqs"
+"""``DPEngineCoreProc._has_global_unfinished_reqs(local_unfinished)``: every few calls an
+all-reduce over the DP group, which waits for every rank to finish its current step."""
+DP_DUMMY_BATCH = "execute_dummy_batch"
+"""``EngineCore.execute_dummy_batch()``: a forward pass with no requests, run by an idle DP
+rank while its peers run (a MoE model's collectives wait for the peers' step)."""
 BUSY_LOOP_DISPATCH = "_handle_client_request"
 """``EngineCoreProc._handle_client_request(request_type, request)``: the busy loop runs one
 request from the input queue (``DPEngineCoreProc`` overrides it and calls it for everything

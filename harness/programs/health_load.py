@@ -129,6 +129,8 @@ DEFAULT_PLAN: tuple[str, ...] = (
     "0.23.0 stall plugin",
     "0.32.0 dpstall plugin",
     "0.23.0 dpstall plugin",
+    "0.32.0 queuestall plugin",
+    "0.23.0 queuestall plugin",
 )
 """``"<vLLM> <case> <variant>"``: every run the committed results hold."""
 
@@ -370,6 +372,22 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     )
     if got:
         out["request"] = got[0]
+    return out
+
+
+def phase_input_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
+    """The busy loop blocked before it takes its input queue, its scheduler empty: a request
+    waits in the queue, where the scheduler does not see it, while every ping is answered.
+    The first request is served (it wakes the loop, which blocks after it); the second waits:
+    503 within the progress timeout plus the margin; once the loop goes on, it completes and
+    ``/health`` is 200 again."""
+
+    def two() -> tuple[int | None, int | None]:
+        return chat(url, 5, 2), chat(url, 6, 2)
+
+    out, got = _injected_stall(url, trigger_dir, inject.INPUT_STUCK, [two], 120, "stuck_s")
+    if got:
+        out["requests"] = list(got[0])
     return out
 
 
@@ -668,6 +686,7 @@ def run_serve(
                 "abort_stuck": lambda: phase_abort_stuck(url, trigger_dir),
                 "preempt": lambda: phase_preempt(url, trigger_dir),
                 "dp_stuck": lambda: phase_dp_stuck(url, trigger_dir),
+                "input_stuck": lambda: phase_input_stuck(url, trigger_dir),
             }
             for name in phases:
                 run.phases[name] = steps[name]()
@@ -811,6 +830,8 @@ def execute(key: str, wheel: Path, lock: ServerLock) -> Run:
         return run_serve(
             venv, variant, lock=lock, phases=("preempt",), case="stall", args=STALL_ARGS
         )
+    if case == "queuestall":
+        return run_serve(venv, variant, lock=lock, phases=("input_stuck",), case="queuestall")
     if case == "dpstall":
         dp2 = BY_NAME["dp2"]
         return run_serve(
@@ -951,8 +972,8 @@ def checks(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, bo
             out["incident_metric"] = failed >= 1
         else:
             out["incident_200_baseline"] = inc.get("statuses_after_freeze") == ["200"]
-    elif run.get("case") in ("stall", "dpstall"):
-        cascade = phases.get("preempt") or phases.get("dp_stuck") or {}
+    elif run.get("case") in ("stall", "dpstall", "queuestall"):
+        cascade = phases.get("preempt") or phases.get("dp_stuck") or phases.get("input_stuck") or {}
         detected = cascade.get("detected_s")
         out["preempt_200_before"] = cascade.get("statuses_before") == ["200"]
         out["preempt_503_in_time"] = detected is not None and detected <= (
@@ -1002,7 +1023,11 @@ def render_table(data: dict[str, Any]) -> str:
             else "-"
         )
         stuck: dict[str, Any] = next(
-            (phases[k] for k in ("stuck_step", "incident", "preempt", "dp_stuck") if k in phases),
+            (
+                phases[k]
+                for k in ("stuck_step", "incident", "preempt", "dp_stuck", "input_stuck")
+                if k in phases
+            ),
             {},
         )
         if "detected_s" in stuck and stuck["detected_s"] is not None:

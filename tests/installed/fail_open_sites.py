@@ -246,6 +246,39 @@ def unwrapped_queue(call_id: int) -> Any:
     return reply(engine)["result"]
 
 
+def request_from_input_thread(engine: Any, call_id: int) -> Any:
+    """What the input thread does with a decoded request (not a ping); then the busy loop's
+    turn takes it."""
+    item = utility(engine, call_id, "echo", f"value-{call_id}")
+    errors: list[str] = []
+
+    def put() -> None:
+        try:
+            engine.input_queue.put_nowait(item)
+        except Exception as exc:  # an exception into vLLM's input thread
+            errors.append(repr(exc))
+
+    thread = threading.Thread(target=put, name="input")
+    thread.start()
+    thread.join()
+    if errors:
+        return {"raised": errors}
+    core.EngineCoreProc._process_input_queue(engine)
+    return reply(engine)["result"]
+
+
+@case("engine_liveness.input_queue", "engine-liveness-answer", answer_mod, "note_first_put")
+def _input_queue(out: dict[str, Any]) -> dict[str, Any]:
+    engine = make_engine()
+    fix("engine-liveness-answer").adopt(engine)
+    out["first"] = request_from_input_thread(engine, 1)
+    out["mark"]()
+    out["second"] = request_from_input_thread(engine, 2)
+    out["ping"] = ping_from_input_thread(engine, 3)  # still answered in the input thread
+    out["off"] = fix("engine-liveness-answer").queue_watch is False
+    return out
+
+
 @case("engine_liveness.loop_state", "engine-liveness-answer", answer_mod.LoopState, "enter")
 def _loop_state(out: dict[str, Any]) -> dict[str, Any]:
     engine = make_engine()

@@ -11,8 +11,9 @@ around a vLLM call. The sites, read from the book of every fix (``plugin.FIXES``
   (net progress after each step), ``engine_liveness.answer`` (the ping's answer),
   ``engine_liveness.snapshot_details`` (the stall snapshot's details in the answer),
   ``engine_liveness.input_thread`` (the ping answered in the input thread, the input queue's
-  ``put_nowait``), ``engine_liveness.fork`` (the fork handler renewing locks in a forked child,
-  ``engine_liveness/fork.py``);
+  ``put_nowait``), ``engine_liveness.input_queue`` (the input thread's note of the first
+  request put on the empty input queue, for the queue's wait), ``engine_liveness.fork``
+  (the fork handler renewing locks in a forked child, ``engine_liveness/fork.py``);
 - engine liveness, API server side (``engine_liveness/health.py``, patch
   ``engine-liveness-health``): ``engine_health.check`` (``AsyncLLM.check_health`` and the
   heartbeat's attach from ``AsyncLLM.__init__``), ``engine_health.heartbeat`` (the heartbeat's
@@ -197,6 +198,10 @@ def _vllm_side(site: str, got: dict[str, Any]) -> None:
         assert got["first"] == {"lost": True}, got  # the plugin's own ping, never vLLM's
         assert got["second"]["via"] == "busy loop" and got["second"]["failure"] is None, got
         assert got["request"] == "value-3", got
+    if site == "engine_liveness.input_queue":
+        assert got["first"] == "value-1" and got["second"] == "value-2", got
+        assert got["ping"]["via"] == "input thread" and got["ping"]["failure"] is None, got
+        assert "progress" in got["ping"]["keys"], got
     if site == "engine_health.check":
         assert got["own"][0] == "ok" and got["own"][1].startswith("raised EngineDeadError:")
         for call in (got["first"], got["second"]):

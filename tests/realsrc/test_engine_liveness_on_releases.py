@@ -61,6 +61,25 @@ def test_the_busy_loop_methods_are_on_engine_core_proc(version: str) -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_a_dp_rank_waits_for_its_peers_only_in_the_methods_judged_as_a_step(version: str) -> None:
+    """The DP busy loop's waits for its peers outside ``_process_engine_step`` are the DP
+    all-reduce and the dummy batch, each its own method that the plugin marks as a ``sync``
+    phase (judged by the step bound): nothing else of that loop's body calls into the DP
+    group, so an idle rank's wait is never taken for a loop that stopped taking requests."""
+    classes = _classes(version)
+    dp = classes[layout.DP_ENGINE_PROC_CLASS.cls]
+    core = classes[layout.ENGINE_CORE_CLASS.cls]
+    assert realsrc.class_method(dp, layout.DP_SYNC) is not None, version
+    assert realsrc.class_method(core, layout.DP_DUMMY_BATCH) is not None, version
+    loop = realsrc.class_method(dp, "run_busy_loop")
+    assert loop is not None, version
+    assert _calls_self(loop, layout.DP_SYNC) and _calls_self(loop, layout.DP_DUMMY_BATCH), version
+    # The all-reduce itself is inside the sync method, not in the loop's own body.
+    text = ast.unparse(loop)
+    assert "dp_group" not in text and "all_reduce" not in text, version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_the_input_thread_hands_every_request_over_with_put_nowait(version: str) -> None:
     proc = _classes(version)[layout.ENGINE_PROC_CLASS.cls]
     reader = realsrc.class_method(proc, "process_input_sockets")

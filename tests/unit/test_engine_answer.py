@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import enum
 import queue
+import sys
 import threading
+import time
 from typing import Any
 
 from vllm_mmcache_fix.engine_liveness import answer as answer_mod
 from vllm_mmcache_fix.engine_liveness.answer import EngineLivenessAnswer, is_ping
-from vllm_mmcache_fix.engine_liveness.busy_loop import IDLE, STEP, UTILITY, LoopState
+from vllm_mmcache_fix.engine_liveness.busy_loop import (
+    ADD,
+    IDLE,
+    STEP,
+    SYNC,
+    UTILITY,
+    LoopState,
+    Phase,
+)
 
 
 class RequestType(enum.Enum):
@@ -149,3 +159,163 @@ def test_a_dispatch_that_raises_in_the_input_thread_is_never_queued_twice() -> N
     assert fix.input_thread is False and fix.errors.total == 1
     engine.input_queue.put_nowait(PING)  # now for the busy loop
     assert engine.input_queue.get_nowait() == PING
+
+
+class Scheduler:  # vLLM's attribute names; nothing waits in it
+    def __init__(self) -> None:
+        self.requests: dict[str, Any] = {}
+        self.waiting: list[Any] = []
+        self.running: list[Any] = []
+
+
+def _queued_engine() -> tuple[EngineLivenessAnswer, Engine, answer_mod.Adopted]:
+    fix = _fix()
+    engine = Engine()
+    engine.scheduler = Scheduler()  # type: ignore[attr-defined]
+    fix.adopt(engine)
+    record = engine.__dict__[answer_mod.ENGINE_ATTR]
+    return fix, engine, record
+
+
+def _ping(engine: Engine) -> dict[str, Any]:
+    engine.input_queue.put_nowait(PING)
+    return engine.output_queue.get_nowait()[2]["progress"]
+
+
+def test_a_request_the_busy_loop_does_not_take_counts_as_no_progress() -> None:
+    """The scheduler is empty, the request is still in the input queue: the figure is the
+    time since it was put (the loop idle since before), and only while the loop is idle."""
+    fix, engine, record = _queued_engine()
+    assert _ping(engine)["queued_s"] == 0.0  # nothing queued
+    engine.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
+    put_at = record.queued_since
+    engine.input_queue.put_nowait((RequestType.ADD, ("req2", 0)))
+    assert record.queued_since == put_at  # the wait began at the first put
+    now = time.monotonic()
+    record.queued_since = now - 50.0  # the request has waited 50 s
+    record.loop.phase = Phase(IDLE, "", now - 100.0)
+    progress = _ping(engine)
+    assert 50.0 <= progress["queued_s"] < 55.0
+    assert progress["stalled_s"] == progress["queued_s"]
+    # The loop changed phase 5 s ago (it took something): the wait counts from then.
+    record.loop.phase = Phase(IDLE, "", time.monotonic() - 5.0)
+    assert 5.0 <= _ping(engine)["queued_s"] < 10.0
+    # Inside a utility call (healthy however long), a step (its own bound) or an add: 0.
+    for state in (UTILITY, STEP, ADD):
+        record.loop.phase = Phase(state, "x", now - 100.0)
+        assert _ping(engine)["queued_s"] == 0.0, state
+    # Taken: nothing waits.
+    record.loop.phase = Phase(IDLE, "", now - 100.0)
+    while not engine.input_queue.empty():
+        engine.input_queue.get_nowait()
+    assert _ping(engine)["queued_s"] == 0.0
+    engine.input_queue.put_nowait((RequestType.ADD, ("req3", 0)))
+    assert time.monotonic() - record.queued_since < 1.0  # the empty queue's first put
+    assert fix.errors.total == 0
+
+
+def test_the_busy_loop_answering_never_counts_its_own_queue() -> None:
+    """Pings answered by the busy loop (input-thread answering off): the loop is draining its
+    queue at that moment, so nothing is said to wait there."""
+    fix, engine, record = _queued_engine()
+    engine.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
+    record.queued_since = 0.0
+    record.loop.phase = Phase(IDLE, "", 0.0)
+    reply = engine.mmcache_fix_ping()  # type: ignore[attr-defined]
+    assert reply["via"] == "busy loop" and reply["progress"]["queued_s"] == 0.0
+
+
+def test_a_broken_queue_check_leaves_requests_flowing() -> None:
+    fix, engine, record = _queued_engine()
+
+    class Broken(queue.Queue):  # type: ignore[type-arg]
+        def empty(self) -> bool:
+            raise RuntimeError("empty broke")
+
+    record.queue = Broken()
+    record.queued_since = 0.0
+    engine.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
+    assert fix.errors.total == 1 and fix.queue_watch is False
+    assert fix.input_thread is True  # pings are still answered in the input thread
+    record.loop.phase = Phase(IDLE, "", 0.0)
+    assert _ping(engine)["queued_s"] == 0.0  # a figure it can no longer keep is not given
+    assert engine.input_queue.get_nowait() == (RequestType.ADD, ("req", 0))
+
+
+def test_a_healthy_busy_loop_keeps_the_queue_wait_near_zero_under_contention() -> None:
+    """Two threads as in EngineCore: the input thread queues requests and pings; the busy
+    loop takes each request (an add phase) and waits in ``get`` between them; a 1 µs switch
+    interval. No answer says a request waited more than a second. Then the loop stops
+    taking its queue: the answers' figure grows past a second."""
+    fix, engine, record = _queued_engine()
+    dispatch = answer_mod.make_dispatch(fix, lambda self, t, r: None)
+    stop = threading.Event()
+    blocked = threading.Event()
+
+    def busy_loop() -> None:
+        while not stop.is_set():
+            if blocked.is_set():
+                time.sleep(0.01)
+                continue
+            try:
+                item = engine.input_queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            dispatch(engine, *item)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    loop = threading.Thread(target=busy_loop, name="busy-loop")
+    loop.start()
+    try:
+        worst = 0.0
+        end = time.monotonic() + 2.0
+        n = 0
+        while time.monotonic() < end:
+            engine.input_queue.put_nowait((RequestType.ADD, (f"r{n}", 0)))
+            n += 1
+            worst = max(worst, _ping(engine)["queued_s"])
+        assert n > 100 and worst < 1.0, (n, worst)
+        blocked.set()
+        time.sleep(0.1)
+        engine.input_queue.put_nowait((RequestType.ADD, ("stuck", 0)))
+        time.sleep(1.2)
+        assert _ping(engine)["queued_s"] >= 1.0
+        assert fix.errors.total == 0
+    finally:
+        stop.set()
+        loop.join(5)
+        sys.setswitchinterval(before)
+
+
+def test_a_dp_rank_waiting_for_its_peers_says_so_and_its_wait_is_not_lost_progress() -> None:
+    """While the all-reduce (or a dummy batch) waits, the answer says ``sync`` and a request
+    in the input queue is not counted (the rank takes it right after); once it returns, the
+    wait is skipped by the progress clock, as a utility call is."""
+    fix, engine, record = _queued_engine()
+    seen: dict[str, Any] = {}
+
+    def all_reduce(self: Any, local_unfinished: bool) -> bool:
+        record.queued_since = time.monotonic() - 500.0
+        self.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
+        self.input_queue.put_nowait(PING)
+        seen["during"] = self.output_queue.get_nowait()[2]
+        time.sleep(0.05)  # the peers' step
+        return True
+
+    record.progress.work = True
+    record.progress.since = since = time.monotonic() - 10.0
+    sync = answer_mod.make_sync(fix, "dp all-reduce", all_reduce)
+    started = time.monotonic()
+    assert sync(engine, True) is True
+    took = time.monotonic() - started
+    loop, progress = seen["during"]["loop"], seen["during"]["progress"]
+    assert loop["state"] == SYNC and loop["detail"] == "dp all-reduce", loop
+    assert progress["queued_s"] == 0.0, progress
+    assert record.loop.phase.state == IDLE  # back to idle after it
+    assert record.progress.since >= since + 0.05 and record.progress.since <= since + took
+    # A turn without the all-reduce (it returns at once) leaves the clock alone.
+    before = record.progress.since
+    assert answer_mod.make_sync(fix, "dp all-reduce", lambda self, x: x)(engine, False) is False
+    assert record.progress.since == before and record.loop.phase.state == IDLE
+    assert fix.errors.total == 0

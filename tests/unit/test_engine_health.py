@@ -341,6 +341,34 @@ def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
     assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 2
 
 
+def test_a_dp_rank_waiting_for_its_peers_is_judged_as_a_step() -> None:
+    """The DP all-reduce or a dummy batch waits as long as the peers' step: healthy past the
+    health timeout, stuck only past the step bound."""
+    step_bound = 90.0
+
+    async def go() -> list[list[str | None]]:
+        client = Client()
+        beat = Heartbeat(client, TIMEOUT, step_timeout=step_bound)
+        out: list[list[str | None]] = []
+        script = [
+            reply("sync", TIMEOUT + 1, "dp all-reduce"),
+            reply("sync", step_bound - 1, "dummy batch"),
+            reply("sync", step_bound + 1, "dp all-reduce"),
+            reply("sync", step_bound + 3, "dp all-reduce"),
+        ]
+        for i, answer in enumerate(script):
+            client.answer = answer
+            beat.tick(client, 2.0 * i, responsive=True)
+            await settle()
+            out.append([b.stuck for b in beat.verdict()])
+        return out
+
+    out = run(go())
+    assert out[0] == [] and out[1] == [] and out[2] == []
+    assert len(out[3]) == 1 and "inside one sync for 93.0 s" in str(out[3][0])
+    assert "MMCACHE_FIX_STEP_TIMEOUT=90" in str(out[3][0])
+
+
 def test_the_step_bound_is_vllms_own_unless_set() -> None:
     assert read_step_timeout({}).value == 300.0
     assert read_step_timeout({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "600"}).value == 600.0

@@ -404,12 +404,27 @@ def test_diagnose_shows_a_snapshot(
     text = capsys.readouterr().out
     assert "stall class no_progress" in text and "img-2: waiting WAITING" in text
     assert "encoder cache usage 1.0" in text and "sk-SECRET" not in text
+    assert "input queue" not in text  # nothing waited there
     assert cli.main(["diagnose", "--snapshot", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["stall_snapshot"]
     assert data[snap.KEY_VERDICT]["class"] == NO_PROGRESS and "sk-SECRET" not in str(data)
     pid = int(path.name.split("-")[2])
     assert diag.find_snapshot([pid], tmp_path) == path
     assert diag.find_snapshot([pid + 1], tmp_path) is None
+
+
+def test_diagnose_says_a_request_waited_in_the_input_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    health = _health(tmp_path, monkeypatch)
+    progress = {**reply(40)["progress"], "queued_s": 40.0}
+    beat = EngineBeat("EngineCore", b"\0\0", 0.0, details={}, progress=progress)
+    beat.loop = {"state": "idle", "detail": "", "for_s": 41.0}
+    health.on_verdict(beat, NO_PROGRESS, "EngineCore has made no net progress for 40.0 s")
+    [path] = _wait_files(tmp_path, 1)
+    assert cli.main(["diagnose", "--snapshot", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "a request has waited 40 s in EngineCore's input queue" in text, text
 
 
 def test_diagnose_refuses_a_file_that_is_no_snapshot(

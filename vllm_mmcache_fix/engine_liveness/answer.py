@@ -46,6 +46,9 @@ from ..vllm_layout import (
     BUSY_LOOP_DISPATCH,
     BUSY_LOOP_INPUT,
     BUSY_LOOP_STEP,
+    DP_DUMMY_BATCH,
+    DP_ENGINE_PROC_CLASS,
+    DP_SYNC,
     ENGINE_CORE_CLASS,
     ENGINE_INPUT_QUEUE,
     ENGINE_PING_METHOD,
@@ -63,6 +66,7 @@ from .busy_loop import (
     IDLE,
     STEP,
     STUCK_STATES,
+    SYNC,
     UTILITY,
     VIA_BUSY_LOOP,
     VIA_INPUT_THREAD,
@@ -84,7 +88,7 @@ Counts = Callable[[], "dict[str, int]"]
 class Adopted:
     """What the plugin keeps on one adopted engine."""
 
-    __slots__ = ("loop", "hooked", "progress", "aborted_at")
+    __slots__ = ("loop", "hooked", "progress", "aborted_at", "queue", "queued_since")
 
     def __init__(self) -> None:
         self.loop = LoopState()
@@ -93,6 +97,10 @@ class Adopted:
         """When the remedy last aborted a request of this engine (``time.monotonic()``)."""
         self.hooked = False
         """Whether the input queue's ``put_nowait`` answers pings in the input thread."""
+        self.queue: Any = None
+        """The hooked input queue (vLLM's ``queue.Queue``), for :func:`queued_s`."""
+        self.queued_since = time.monotonic()
+        """When the input thread last put an item on the empty input queue."""
 
 
 def is_ping(item: Any) -> bool:
@@ -121,6 +129,8 @@ class EngineLivenessAnswer(Fix):
     """Net progress kept after each step."""
     input_thread: bool
     """Pings answered in the input thread."""
+    queue_watch: bool
+    """The input thread notes when the input queue stops being empty (:func:`queued_s`)."""
     detailing: bool
     """Answers carry the stall snapshot's details."""
     fork_locks: bool
@@ -138,12 +148,14 @@ class EngineLivenessAnswer(Fix):
         self._adopt_site = self.errors.site("engine_liveness.adopt")
         self._stamp_site = self.errors.site("engine_liveness.loop_state")
         self._input_site = self.errors.site("engine_liveness.input_thread")
+        self._queue_site = self.errors.site("engine_liveness.input_queue")
         self._progress_site = self.errors.site("engine_liveness.progress")
         self._details_site = self.errors.site("engine_liveness.snapshot_details")
         self._abort_site = self.errors.site("engine_liveness.abort_stuck")
         self._fork_site = self.errors.site(fork.SITE)  # counted in a forked child (fork.py)
         self._switch_of: dict[str, str] = {
             self._input_site.name: "input_thread",
+            self._queue_site.name: "queue_watch",
             self._stamp_site.name: "stamping",
             self._progress_site.name: "progressing",
             self._details_site.name: "detailing",
@@ -198,6 +210,7 @@ class EngineLivenessAnswer(Fix):
             "answers": self.answers,
             "answers_in_input_thread": self.answers_in_input_thread,
             "input_thread": self.input_thread,
+            "input_queue": self.queue_watch,
             "loop_state": self.stamping,
             "progress": self.progressing,
             "snapshot_details": self.detailing,
@@ -243,6 +256,19 @@ class EngineLivenessAnswer(Fix):
         for attr, make in wrappers:
             if registry.wrap(PATCH_ID, proc, attr, functools.partial(make, self)):
                 self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{attr}")
+        # A DP rank's waits for its peers: judged as a step, not as the loop stopping.
+        dp = getattr(module, DP_ENGINE_PROC_CLASS.cls, None)
+        for owner, attr, detail in (
+            (dp, DP_SYNC, "dp all-reduce"),
+            (core, DP_DUMMY_BATCH, "dummy batch"),
+        ):
+            if not callable(_own(owner, attr)):
+                if isinstance(dp, type):
+                    self.note_problem(f"{getattr(owner, '__name__', owner)} lacks {attr}")
+                continue
+            assert isinstance(owner, type)
+            if registry.wrap(PATCH_ID, owner, attr, functools.partial(make_sync, self, detail)):
+                self.targets.append(f"{owner.__module__}.{owner.__qualname__}.{attr}")
         return True
 
     # -- the busy loop ---------------------------------------------------------------
@@ -260,6 +286,8 @@ class EngineLivenessAnswer(Fix):
                 hook = make_put(self, weakref.ref(engine), put)
                 registry.set_instance_attr(PATCH_ID, queue, "put_nowait", hook)
                 record.hooked = True
+                if callable(getattr(queue, "empty", None)):
+                    record.queue = queue
             self.engines += 1
             if not self._announced:
                 self._announced = True
@@ -378,6 +406,16 @@ class EngineLivenessAnswer(Fix):
         finally:
             self._local.in_input_thread = False
 
+    def queueing(self, engine: Any) -> None:
+        """The input thread is about to queue a request (not a ping): if the queue is empty,
+        the busy loop's wait for it starts now."""
+        if not self.queue_watch:
+            return
+        with self._queue_site:
+            record = engine.__dict__.get(ENGINE_ATTR)
+            if record is not None:
+                note_first_put(record)
+
     def answer(self, engine: Any) -> dict[str, Any]:
         """The ping's answer: never raises (vLLM would log a traceback per ping)."""
         via_input = bool(getattr(self._local, "in_input_thread", False))
@@ -397,7 +435,9 @@ class EngineLivenessAnswer(Fix):
                 reply["loop"] = record.loop.snapshot()
             scheduler = getattr(engine, SCHEDULER_ATTR, None)
             if record is not None and self.progressing and scheduler is not None:
-                reply["progress"] = progress = progress_snapshot(record, scheduler)
+                reply["progress"] = progress = progress_snapshot(
+                    record, scheduler, via_input and self.queue_watch
+                )
                 if self.detailing and stall_building(record, progress):
                     with self._details_site:
                         reply[KEY_DETAILS] = engine_details(engine, scheduler)
@@ -405,16 +445,41 @@ class EngineLivenessAnswer(Fix):
         return reply
 
 
-def progress_snapshot(record: Adopted, scheduler: Any) -> dict[str, Any]:
-    """The progress figures the answer carries (read from the input thread)."""
+def note_first_put(record: Adopted) -> None:
+    """Before the input thread queues a request: on an empty queue, the wait starts now."""
+    queue = record.queue
+    if queue is not None and queue.empty():
+        record.queued_since = time.monotonic()
+
+
+def queued_s(record: Adopted, phase: Phase, now: float) -> float:
+    """Seconds the input queue has held requests the busy loop does not take: counted only
+    while the loop is idle (outside every step, add, abort and utility call), from the later
+    of the first put on the empty queue and the loop's last change of phase. A healthy idle
+    loop waits in the queue's ``get`` and takes a request within milliseconds; one blocked
+    before it takes its input (a DP rank waiting outside a step before it took a request)
+    lets the request wait here, where the scheduler does not see it."""
+    queue = record.queue
+    if phase.state != IDLE or queue is None or queue.empty():
+        return 0.0
+    return max(0.0, now - max(record.queued_since, phase.since))
+
+
+def progress_snapshot(record: Adopted, scheduler: Any, count_queue: bool = True) -> dict[str, Any]:
+    """The progress figures the answer carries (read from the input thread). ``count_queue``
+    False: the input queue's wait is not counted (the busy loop answers, so it is taking its
+    queue; or the input thread's note of the first put broke)."""
     phase = record.loop.phase
     now = time.monotonic()
     # Inside a step or a utility call the clock stops at its start: a step counts only past
     # the step bound, a utility call not at all.
-    until = phase.since if phase.state in (STEP, UTILITY) else now
+    until = phase.since if phase.state in (STEP, UTILITY, SYNC) else now
     progress = record.progress
+    queued = queued_s(record, phase, now) if count_queue else 0.0
     return {
-        "stalled_s": progress.stalled_s(scheduler, until),
+        # Requests in the scheduler without net progress, or in the input queue untaken.
+        "stalled_s": max(progress.stalled_s(scheduler, until), queued),
+        "queued_s": queued,
         "empty_steps": progress.empty_steps,
         "steps": progress.steps,
         "step_counts": list(progress.step_counts),
@@ -448,11 +513,13 @@ def make_put(
     fix: EngineLivenessAnswer, engine_ref: Callable[[], Any], original: Callable[[Any], None]
 ) -> Callable[[Any], None]:
     def put_nowait(item: Any) -> None:
-        if fix.input_thread and is_ping(item):
+        if fix.input_thread:
             engine = engine_ref()
             if engine is not None:
-                fix.answer_in_input_thread(engine, item)
-                return
+                if is_ping(item):
+                    fix.answer_in_input_thread(engine, item)
+                    return
+                fix.queueing(engine)
         original(item)
 
     return put_nowait
@@ -535,6 +602,52 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
         return result
 
     return _process_engine_step_abort_stuck
+
+
+SYNC_SKIP_AFTER_S = 0.001
+"""A wait for the peers shorter than this is not taken off the progress clock (a turn
+without the all-reduce returns in a microsecond)."""
+
+
+def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any) -> Any:
+    """A DP rank's wait for its peers (the all-reduce, a dummy batch): the loop's state says
+    so while it lasts, and its time does not count against progress after it. The DP loop
+    calls the all-reduce's method at every turn, so this is written flat, as the step's
+    wrapper is; vLLM's own call is outside the ``try`` blocks."""
+    monotonic = time.monotonic
+    new = tuple.__new__
+    stamp_site = fix._stamp_site
+    progress_site = fix._progress_site
+
+    def wait_for_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record = self.__dict__.get(ENGINE_ATTR) if fix.stamping else None
+        if record is None:
+            return original(self, *args, **kwargs)
+        loop = record.loop
+        previous = loop.phase
+        try:
+            started = monotonic()
+            loop.phase = new(Phase, (SYNC, detail, started))
+            if stamp_site.fail:
+                raise InjectedFault(f"fault injected at {stamp_site.name}")
+        except Exception as exc:
+            fix.errors.record(stamp_site.name, exc)
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            now = monotonic()
+            loop.phase = new(Phase, (IDLE, "", now)) if previous[0] == IDLE else previous
+            # Most turns do no all-reduce and return at once: only a real wait is skipped.
+            if now - started > SYNC_SKIP_AFTER_S and fix.progressing:
+                try:
+                    record.progress.skip(now - started)
+                    if progress_site.fail:
+                        raise InjectedFault(f"fault injected at {progress_site.name}")
+                except Exception as exc:
+                    fix.errors.record(progress_site.name, exc)
+
+    return wait_for_peers
 
 
 def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:

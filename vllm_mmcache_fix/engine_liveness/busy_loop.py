@@ -18,9 +18,15 @@ ABORT = "abort"
 UTILITY = "utility"
 """A utility call (``detail`` names it): healthy however long it runs (profiler stop, weight
 sync, LoRA load, sleep/wake)."""
+SYNC = "sync"
+"""A DP rank waits for the other ranks (``detail``: the DP all-reduce or a dummy batch): as
+long as their step, so judged as a step (the step bound)."""
 
-STUCK_STATES = frozenset({STEP, ADD, ABORT})
+STUCK_STATES = frozenset({STEP, ADD, ABORT, SYNC})
 """States in which one long stay is evidence of a stuck engine (above the timeout)."""
+STEP_STATES = frozenset({STEP, SYNC})
+"""Of those, the ones judged by the step bound (``MMCACHE_FIX_STEP_TIMEOUT``), not by the
+timeout: one step of this engine or of a peer it waits for."""
 
 ANSWER_SCHEMA = 2
 VIA_INPUT_THREAD = "input thread"

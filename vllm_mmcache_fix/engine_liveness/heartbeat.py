@@ -64,7 +64,7 @@ from ..vllm_layout import (
     ENGINE_PING_METHOD,
     UTILITY_SHUTDOWN_REPLY,
 )
-from .busy_loop import STEP, STUCK_STATES, VIA_INPUT_THREAD
+from .busy_loop import STEP_STATES, STUCK_STATES, VIA_INPUT_THREAD
 from .snapshot import KEY_DETAILS
 
 TICK_S = 1.0
@@ -398,9 +398,10 @@ class Heartbeat:
         loop = beat.loop or {}
         state = loop.get("state")
         seconds = loop.get("for_s")
-        bound = self.step_timeout if state == STEP else self.timeout
+        stepping = state in STEP_STATES
+        bound = self.step_timeout if stepping else self.timeout
         if state in STUCK_STATES and isinstance(seconds, (int, float)) and seconds > bound:
-            setting = "MMCACHE_FIX_STEP_TIMEOUT" if state == STEP else "MMCACHE_FIX_HEALTH_TIMEOUT"
+            setting = "MMCACHE_FIX_STEP_TIMEOUT" if stepping else "MMCACHE_FIX_HEALTH_TIMEOUT"
             self._judge(
                 beat,
                 LOOP,
@@ -423,7 +424,8 @@ class Heartbeat:
                 f"{progress.get('empty_steps', 0)} empty steps so far; "
                 f"MMCACHE_FIX_PROGRESS_TIMEOUT={self.progress_timeout:g}): its busy loop "
                 "turns without serving (a scheduler that cannot fit a request, a preemption "
-                "cascade, a DP engine waiting outside a step)",
+                "cascade, a DP engine waiting outside a step, a busy loop that stopped taking "
+                "its input queue)",
             )
             return
         self._clear_stuck(beat)

@@ -97,6 +97,8 @@ ANSWER = Declaration(
                 "vllm.v1.engine.core.EngineCoreProc._process_input_queue",
                 "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
                 "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+                "vllm.v1.engine.core.DPEngineCoreProc._has_global_unfinished_reqs",
+                "vllm.v1.engine.core.EngineCore.execute_dummy_batch",
                 "EngineCoreProc.input_queue.put_nowait (each running engine)",
             ),
             why=(
@@ -105,9 +107,10 @@ ANSWER = Declaration(
                 "when an EngineCoreProc's busy loop starts (in any process model: spawned, forked, "
                 "DP, Ray actors; the class patches are installed in every process), makes its "
                 "input thread answer that method at once through vLLM's own dispatch, with the "
-                "busy loop's state (step, add/abort, utility call, or idle, and since when) and "
-                "the process's plugin counters. Only a dead or spinning input thread leaves it "
-                "unanswered."
+                "busy loop's state (step, add/abort, utility call, a DP rank's wait for its "
+                "peers, or idle, and since when), its net progress (including a request left in "
+                "the input queue while the loop is idle) and the process's plugin counters. Only "
+                "a dead or spinning input thread leaves it unanswered."
             ),
             upstream=(
                 "vllm-project/vllm#36451 (ping EngineCore through its input thread, open)",

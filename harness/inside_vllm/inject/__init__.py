@@ -27,7 +27,11 @@ chosen by environment variables (:func:`inject_env` writes them):
   ``preempt`` exists every running request is preempted after each step (the preemption
   cascade); while
   ``dp-stuck`` exists EngineCore of DP rank 1, once it has taken requests, blocks in its busy
-  loop outside a step (where a MoE DP rank waits on its peers in the DP all-reduce).
+  loop outside a step (where a MoE DP rank waits on its peers in the DP all-reduce); while
+  ``input-stuck`` exists the busy loop, once its scheduler holds no request, blocks before
+  it takes its input queue (requests wait there, where the scheduler does not see them; the
+  loop is in ``_process_input_queue``'s wait when the file comes, so the first request after
+  it is taken and served, and the loop blocks after it).
 
 Each injection prints one ``[inject]`` line to stderr (the server log) when it acts.
 """
@@ -51,6 +55,7 @@ SLOW_GRAMMAR = "slow-grammar"
 REMOTE_KV = "remote-kv"
 PREEMPT = "preempt"
 DP_STUCK = "dp-stuck"
+INPUT_STUCK = "input-stuck"
 SLOW_UTILITY = "slow-utility"
 STUCK_STEP_MAX_S = 900.0
 """A stuck step gives up after this long whatever the trigger says (a test never hangs)."""

@@ -91,6 +91,12 @@ def render_snapshot(data: Mapping[str, Any], path: Path | str) -> str:
             f"{_num(loop.get('for_s'))} s; no net progress for {_num(progress.get('stalled_s'))} "
             f"s; {progress.get('empty_steps')} empty steps of {progress.get('steps')}"
         )
+    queued = progress.get("queued_s")
+    if isinstance(queued, (int, float)) and queued > 0:
+        lines.append(
+            f"  a request has waited {_num(queued)} s in EngineCore's input queue: the busy "
+            "loop stopped taking it (outside any step or call)"
+        )
     recent = progress.get("recent_steps_s")
     if isinstance(recent, list) and recent:
         lines.append("  last step durations (s): " + ", ".join(_num(d) for d in recent))

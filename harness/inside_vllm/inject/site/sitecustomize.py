@@ -50,6 +50,13 @@ def _engine_core(module: ModuleType) -> None:
         take = proc._process_input_queue
 
         def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            stuck = TRIGGERS / "input-stuck"
+            if stuck.exists() and not self.scheduler.has_requests():
+                _say("busy loop blocked before it takes its input queue, until the file goes")
+                end = time.monotonic() + STUCK_STEP_MAX_S
+                while stuck.exists() and time.monotonic() < end:
+                    time.sleep(0.1)
+                _say("busy loop takes its input queue again")
             out = take(self, *args, **kwargs)
             path = TRIGGERS / "dp-stuck"
             if (
