@@ -44,12 +44,13 @@ if hasattr(core, "EngineShutdownState"):
 plugin.ENGINE_ANSWER.adopt(engine)
 
 
-def ping(call_id):
+def ping(call_id, target=None):
     # What the input thread does with a decoded utility request.
+    target = engine if target is None else target
     request = (T.UTILITY, [0, call_id, "mmcache_fix_ping", []])
-    thread = threading.Thread(target=engine.input_queue.put_nowait, args=(request,), name="in")
+    thread = threading.Thread(target=target.input_queue.put_nowait, args=(request,), name="in")
     thread.start(); thread.join()
-    _, outputs = engine.output_queue.get(timeout=5)
+    _, outputs = target.output_queue.get(timeout=5)
     out = outputs.utility_output
     return {"call_id": out.call_id, "failure": out.failure_message,
             "result": out.result.result if out.result is not None else None}
@@ -80,12 +81,52 @@ engine.slow_utility = lambda: during.__setitem__("utility", ping(3)) or "done"
 engine._handle_client_request(T.UTILITY, [0, 4, "slow_utility", []])
 _, slow = engine.output_queue.get(timeout=5)
 
+# A request the input thread queues while the busy loop, idle for 100 s, does not take it.
+engine.scheduler = types.SimpleNamespace(
+    has_requests=lambda: False, requests={}, running=[], waiting=FCFSRequestQueue())
+record.progress = type(record.progress)()
+thread = threading.Thread(target=engine.input_queue.put_nowait, args=((T.ADD, "r"),), name="in")
+thread.start(); thread.join()
+record.queued_since -= 50.0
+record.loop.phase = record.loop.phase._replace(since=record.loop.phase.since - 100.0)
+queued = ping(7)["result"]["progress"]
+engine.input_queue.get_nowait()  # the busy loop takes it
+
+# A DP rank waiting for its peers, on vLLM's own DPEngineCoreProc: its all-reduce method runs
+# with the DP group's collective made to wait (a peer's step); a ping meanwhile.
+from vllm.config import ParallelConfig
+dp = object.__new__(core.DPEngineCoreProc)
+dp.input_queue, dp.output_queue = queue.Queue(), queue.Queue()
+if hasattr(core, "EngineShutdownState"):
+    dp.shutdown_state = core.EngineShutdownState.RUNNING
+dp.dp_group, dp.step_counter, dp.dp_sync_interval, dp.pending_pause = None, 31, 32, False
+plugin.ENGINE_ANSWER.adopt(dp)
+collectives = []
+for name in ("sync_dp_state", "has_unfinished_dp"):
+    if name in vars(ParallelConfig):
+        def peers(*args, _name=name, **kwargs):
+            collectives.append(_name)
+            during["sync"] = ping(8, dp)
+            return (True, False) if _name == "sync_dp_state" else True
+        setattr(ParallelConfig, name, staticmethod(peers))
+global_unfinished = dp._has_global_unfinished_reqs(True)
+dp.model_executor = types.SimpleNamespace(
+    execute_dummy_batch=lambda: during.__setitem__("dummy", ping(9, dp)))
+dp.execute_dummy_batch()
+after_sync = ping(10, dp)["result"]["loop"]["state"]
+
 print(json.dumps({
     "idle": idle,
     "step": during["step"],
     "utility": during["utility"],
     "slow_reply": slow.utility_output.result.result,
     "livelock": livelock,
+    "queued": queued,
+    "collectives": collectives,
+    "global_unfinished": global_unfinished,
+    "sync": during["sync"]["result"]["loop"],
+    "dummy": during["dummy"]["result"]["loop"],
+    "after_sync": after_sync,
     "internal_errors": sum(f.errors.total for f in plugin.FIXES),
     "queued_for_busy_loop": engine.input_queue.qsize(),
     "identified": identified,
@@ -131,12 +172,21 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     assert out["slow_reply"] == "done", out
     # A waiting request and steps that schedule nothing: no net progress, counted.
     assert out["livelock"]["stalled_s"] >= 99 and out["livelock"]["empty_steps"] == 3, out
+    # A request left in the input queue while the loop idles: time without progress.
+    assert out["queued"]["queued_s"] >= 49 and out["queued"]["stalled_s"] >= 49, out
+    # A DP rank inside the all-reduce or a dummy batch says so (judged by the step bound).
+    assert out["collectives"] and out["global_unfinished"] is True, out
+    assert out["sync"]["state"] == "sync" and out["sync"]["detail"] == "dp all-reduce", out
+    assert out["dummy"]["state"] == "sync" and out["dummy"]["detail"] == "dummy batch", out
+    assert out["after_sync"] == "idle", out
     assert out["internal_errors"] == 0, out
     assert out["queued_for_busy_loop"] == 0, out  # no ping ever reached the busy loop
-    assert out["identified"] == ["EngineCore"], out
+    assert out["identified"] == ["EngineCore", "EngineCore"], out  # one per adopted engine
     assert out["patched"] == [
         "AsyncLLM.__init__",
         "AsyncLLM.check_health",
+        "DPEngineCoreProc._has_global_unfinished_reqs",
+        "EngineCore.execute_dummy_batch",
         "EngineCore.mmcache_fix_ping",
         "EngineCoreProc._handle_client_request",
         "EngineCoreProc._process_engine_step",
