@@ -209,8 +209,17 @@ DP_ENGINE_PROC_CLASS = ClassLayout("vllm.v1.engine.core", "DPEngineCoreProc", "0
 runs a dummy batch when it had nothing to run and its peers are running, then
 :data:`DP_SYNC` with them."""
 DP_SYNC = "_has_global_unfinished_reqs"
-"""``DPEngineCoreProc._has_global_unfinished_reqs(local_unfinished)``: every few calls an
-all-reduce over the DP group, which waits for every rank to finish its current step."""
+"""``DPEngineCoreProc._has_global_unfinished_reqs(local_unfinished)``: called at every turn of
+the DP busy loop; every few calls (32, or ``dp_sync_interval``) it runs one of
+:data:`DP_COLLECTIVES`, an all-reduce over the DP group that waits for every rank to finish
+its current step."""
+PARALLEL_CONFIG = "ParallelConfig"
+"""The name under which ``vllm.v1.engine.core`` imports vLLM's ``ParallelConfig`` (from
+``vllm.config``): the owner of :data:`DP_COLLECTIVES`, found through the engine module so that
+its own module's path (``vllm/config.py`` or ``vllm/config/parallel.py``) does not matter."""
+DP_COLLECTIVES = ("has_unfinished_dp", "sync_dp_state")
+"""``ParallelConfig``'s static methods that all-reduce the DP state: ``has_unfinished_dp``
+(0.10.0-0.20.x), ``sync_dp_state`` (0.21.0-0.34.0, with the pause consensus)."""
 DP_DUMMY_BATCH = "execute_dummy_batch"
 """``EngineCore.execute_dummy_batch()``: a forward pass with no requests, run by an idle DP
 rank while its peers run (a MoE model's collectives wait for the peers' step)."""

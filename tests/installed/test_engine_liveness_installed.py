@@ -92,23 +92,23 @@ record.loop.phase = record.loop.phase._replace(since=record.loop.phase.since - 1
 queued = ping(7)["result"]["progress"]
 engine.input_queue.get_nowait()  # the busy loop takes it
 
-# A DP rank waiting for its peers, on vLLM's own DPEngineCoreProc: its all-reduce method runs
-# with the DP group's collective made to wait (a peer's step); a ping meanwhile.
-from vllm.config import ParallelConfig
+# A DP rank waiting for its peers, on vLLM's own DPEngineCoreProc and ParallelConfig: the
+# all-reduce of its DP state runs with torch's collective made to wait (a peer's step); a
+# ping meanwhile. Adopted on this thread, as its busy loop would be.
+import torch.distributed
 dp = object.__new__(core.DPEngineCoreProc)
 dp.input_queue, dp.output_queue = queue.Queue(), queue.Queue()
 if hasattr(core, "EngineShutdownState"):
     dp.shutdown_state = core.EngineShutdownState.RUNNING
-dp.dp_group, dp.step_counter, dp.dp_sync_interval, dp.pending_pause = None, 31, 32, False
+dp.dp_group = types.SimpleNamespace(size=lambda: 2)
+dp.step_counter, dp.dp_sync_interval, dp.pending_pause = 31, 32, False
+dp.vllm_config = types.SimpleNamespace(parallel_config=core.ParallelConfig)
 plugin.ENGINE_ANSWER.adopt(dp)
 collectives = []
-for name in ("sync_dp_state", "has_unfinished_dp"):
-    if name in vars(ParallelConfig):
-        def peers(*args, _name=name, **kwargs):
-            collectives.append(_name)
-            during["sync"] = ping(8, dp)
-            return (True, False) if _name == "sync_dp_state" else True
-        setattr(ParallelConfig, name, staticmethod(peers))
+def all_reduce(tensor, *args, **kwargs):
+    collectives.append(tensor.tolist())
+    during["sync"] = ping(8, dp)
+torch.distributed.all_reduce = all_reduce
 global_unfinished = dp._has_global_unfinished_reqs(True)
 dp.model_executor = types.SimpleNamespace(
     execute_dummy_batch=lambda: during.__setitem__("dummy", ping(9, dp)))
@@ -185,12 +185,13 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     assert out["patched"] == [
         "AsyncLLM.__init__",
         "AsyncLLM.check_health",
-        "DPEngineCoreProc._has_global_unfinished_reqs",
         "EngineCore.execute_dummy_batch",
         "EngineCore.mmcache_fix_ping",
         "EngineCoreProc._handle_client_request",
         "EngineCoreProc._process_engine_step",
         "EngineCoreProc._process_input_queue",
+        "ParallelConfig.has_unfinished_dp",
+        "ParallelConfig.sync_dp_state",
     ], out
     assert out["client_call_has_engine"] is True and out["health_wrapped"] is True, out
     assert out["fixes"]["engine-liveness-answer"] is True, out

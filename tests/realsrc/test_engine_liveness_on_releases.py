@@ -61,20 +61,36 @@ def test_the_busy_loop_methods_are_on_engine_core_proc(version: str) -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_a_dp_rank_waits_for_its_peers_only_in_the_methods_judged_as_a_step(version: str) -> None:
+def test_a_dp_rank_waits_for_its_peers_only_where_the_plugin_marks_a_sync(version: str) -> None:
     """The DP busy loop's waits for its peers outside ``_process_engine_step`` are the DP
-    all-reduce and the dummy batch, each its own method that the plugin marks as a ``sync``
-    phase (judged by the step bound): nothing else of that loop's body calls into the DP
-    group, so an idle rank's wait is never taken for a loop that stopped taking requests."""
-    classes = _classes(version)
+    all-reduce (``_has_global_unfinished_reqs`` calls one of ``ParallelConfig``'s
+    collectives, which ``core.py`` imports by that name) and the dummy batch; the plugin
+    marks each as a ``sync`` phase (judged by the step bound). Nothing else of the loop's own
+    body calls into the DP group, so an idle rank's wait is never taken for a loop that
+    stopped taking requests."""
+    tree = realsrc.parse_release_file(version, CORE)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    imported = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert layout.PARALLEL_CONFIG in imported, version
     dp = classes[layout.DP_ENGINE_PROC_CLASS.cls]
     core = classes[layout.ENGINE_CORE_CLASS.cls]
-    assert realsrc.class_method(dp, layout.DP_SYNC) is not None, version
+    sync = realsrc.class_method(dp, layout.DP_SYNC)
+    assert sync is not None, version
+    called = {
+        node.func.attr
+        for node in ast.walk(sync)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert called & set(layout.DP_COLLECTIVES), (version, called)
     assert realsrc.class_method(core, layout.DP_DUMMY_BATCH) is not None, version
     loop = realsrc.class_method(dp, "run_busy_loop")
     assert loop is not None, version
     assert _calls_self(loop, layout.DP_SYNC) and _calls_self(loop, layout.DP_DUMMY_BATCH), version
-    # The all-reduce itself is inside the sync method, not in the loop's own body.
     text = ast.unparse(loop)
     assert "dp_group" not in text and "all_reduce" not in text, version
 

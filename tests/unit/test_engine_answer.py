@@ -289,33 +289,44 @@ def test_a_healthy_busy_loop_keeps_the_queue_wait_near_zero_under_contention() -
 
 
 def test_a_dp_rank_waiting_for_its_peers_says_so_and_its_wait_is_not_lost_progress() -> None:
-    """While the all-reduce (or a dummy batch) waits, the answer says ``sync`` and a request
-    in the input queue is not counted (the rank takes it right after); once it returns, the
+    """While the all-reduce (``ParallelConfig``'s collective, called without the engine, on
+    the busy loop's thread) or a dummy batch waits, the answer says ``sync`` and a request in
+    the input queue is not counted (the rank takes it right after); once it returns, the
     wait is skipped by the progress clock, as a utility call is."""
-    fix, engine, record = _queued_engine()
+    fix, engine, record = _queued_engine()  # adopted on this thread: the busy loop's
     seen: dict[str, Any] = {}
 
-    def all_reduce(self: Any, local_unfinished: bool) -> bool:
+    def all_reduce(dp_group: Any, has_unfinished: bool) -> bool:
         record.queued_since = time.monotonic() - 500.0
-        self.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
-        self.input_queue.put_nowait(PING)
-        seen["during"] = self.output_queue.get_nowait()[2]
+        engine.input_queue.put_nowait((RequestType.ADD, ("req", 0)))
+        engine.input_queue.put_nowait(PING)
+        seen["during"] = engine.output_queue.get_nowait()[2]
         time.sleep(0.05)  # the peers' step
-        return True
+        return has_unfinished
 
     record.progress.work = True
     record.progress.since = since = time.monotonic() - 10.0
-    sync = answer_mod.make_sync(fix, "dp all-reduce", all_reduce)
+    sync = answer_mod.make_sync(fix, "dp all-reduce", all_reduce, method=False)
     started = time.monotonic()
-    assert sync(engine, True) is True
+    assert sync(object(), True) is True
     took = time.monotonic() - started
     loop, progress = seen["during"]["loop"], seen["during"]["progress"]
     assert loop["state"] == SYNC and loop["detail"] == "dp all-reduce", loop
     assert progress["queued_s"] == 0.0, progress
     assert record.loop.phase.state == IDLE  # back to idle after it
     assert record.progress.since >= since + 0.05 and record.progress.since <= since + took
-    # A turn without the all-reduce (it returns at once) leaves the clock alone.
+    # A dummy batch: the engine is its first argument.
+    dummy = answer_mod.make_sync(
+        fix, "dummy batch", lambda self: self.mmcache_fix_ping()["loop"], method=True
+    )
+    got = dummy(engine)
+    assert got["state"] == SYNC and got["detail"] == "dummy batch", got
+    # Called on another thread than the busy loop's: nothing of this engine changes.
     before = record.progress.since
-    assert answer_mod.make_sync(fix, "dp all-reduce", lambda self, x: x)(engine, False) is False
-    assert record.progress.since == before and record.loop.phase.state == IDLE
+    other: list[Any] = []
+    thread = threading.Thread(target=lambda: other.append(sync(object(), False)))
+    thread.start()
+    thread.join(5)
+    assert other == [False] and record.progress.since == before
+    assert seen["during"]["loop"]["state"] == IDLE  # its ping inside saw the loop idle
     assert fix.errors.total == 0

@@ -46,13 +46,13 @@ from ..vllm_layout import (
     BUSY_LOOP_DISPATCH,
     BUSY_LOOP_INPUT,
     BUSY_LOOP_STEP,
+    DP_COLLECTIVES,
     DP_DUMMY_BATCH,
-    DP_ENGINE_PROC_CLASS,
-    DP_SYNC,
     ENGINE_CORE_CLASS,
     ENGINE_INPUT_QUEUE,
     ENGINE_PING_METHOD,
     ENGINE_PROC_CLASS,
+    PARALLEL_CONFIG,
     REQUEST_TYPE_ABORT,
     REQUEST_TYPE_ADD,
     REQUEST_TYPE_UTILITY,
@@ -175,6 +175,9 @@ class EngineLivenessAnswer(Fix):
         for flag in self._switch_of.values():
             setattr(self, flag, True)
         self._local = threading.local()
+        self._busy_loop = threading.local()
+        """``record``: the engine whose busy loop runs on this thread (for the DP
+        collectives, which are called without the engine)."""
         self._announced = False
         self.abort_timeout = 0.0
         """The progress timeout when ``MMCACHE_FIX_ABORT_STUCK=on`` (0: the remedy is off)."""
@@ -257,17 +260,15 @@ class EngineLivenessAnswer(Fix):
             if registry.wrap(PATCH_ID, proc, attr, functools.partial(make, self)):
                 self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{attr}")
         # A DP rank's waits for its peers: judged as a step, not as the loop stopping.
-        dp = getattr(module, DP_ENGINE_PROC_CLASS.cls, None)
-        for owner, attr, detail in (
-            (dp, DP_SYNC, "dp all-reduce"),
-            (core, DP_DUMMY_BATCH, "dummy batch"),
-        ):
+        config = getattr(module, PARALLEL_CONFIG, None)
+        waits = [(config, attr, "dp all-reduce", False) for attr in DP_COLLECTIVES]
+        waits.append((core, DP_DUMMY_BATCH, "dummy batch", True))
+        for owner, attr, detail, method in waits:
             if not callable(_own(owner, attr)):
-                if isinstance(dp, type):
-                    self.note_problem(f"{getattr(owner, '__name__', owner)} lacks {attr}")
                 continue
             assert isinstance(owner, type)
-            if registry.wrap(PATCH_ID, owner, attr, functools.partial(make_sync, self, detail)):
+            make = functools.partial(make_sync, self, detail, method=method)
+            if registry.wrap(PATCH_ID, owner, attr, make):
                 self.targets.append(f"{owner.__module__}.{owner.__qualname__}.{attr}")
         return True
 
@@ -280,6 +281,7 @@ class EngineLivenessAnswer(Fix):
         with self._adopt_site:
             record = Adopted()
             registry.set_instance_attr(PATCH_ID, engine, ENGINE_ATTR, record)
+            self._busy_loop.record = record  # adopted on its busy loop's thread
             queue = getattr(engine, ENGINE_INPUT_QUEUE, None)
             put = getattr(queue, "put_nowait", None)
             if callable(put) and hasattr(queue, "__dict__"):
@@ -330,6 +332,29 @@ class EngineLivenessAnswer(Fix):
         with self._stamp_site:
             record, previous = token
             record.loop.leave(previous)
+
+    def enter_sync(self, engine: Any, detail: str) -> tuple[Adopted, Phase] | None:
+        """Enter the ``sync`` phase of ``engine`` (None: the engine whose busy loop runs on
+        this thread)."""
+        if not self.stamping:
+            return None
+        with self._stamp_site:
+            if engine is None:
+                record = getattr(self._busy_loop, "record", None)
+            else:
+                record = engine.__dict__.get(ENGINE_ATTR)
+            if record is not None:
+                return record, record.loop.enter(SYNC, detail)
+        return None
+
+    def leave_sync(self, token: tuple[Adopted, Phase]) -> None:
+        record = token[0]
+        since = record.loop.phase.since
+        self.leave(token)
+        waited = time.monotonic() - since
+        if waited > SYNC_SKIP_AFTER_S and self.progressing:
+            with self._progress_site:
+                record.progress.skip(waited)
 
     def after_request(self, token: tuple[Adopted, Phase] | None, since: float) -> None:
         """An add, abort or utility call returned: the progress clock learns of it."""
@@ -605,47 +630,22 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
 
 
 SYNC_SKIP_AFTER_S = 0.001
-"""A wait for the peers shorter than this is not taken off the progress clock (a turn
-without the all-reduce returns in a microsecond)."""
+"""A wait for the peers shorter than this is not taken off the progress clock."""
 
 
-def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any) -> Any:
-    """A DP rank's wait for its peers (the all-reduce, a dummy batch): the loop's state says
-    so while it lasts, and its time does not count against progress after it. The DP loop
-    calls the all-reduce's method at every turn, so this is written flat, as the step's
-    wrapper is; vLLM's own call is outside the ``try`` blocks."""
-    monotonic = time.monotonic
-    new = tuple.__new__
-    stamp_site = fix._stamp_site
-    progress_site = fix._progress_site
+def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: bool) -> Any:
+    """A DP rank's wait for its peers: the all-reduce (``ParallelConfig``'s static method,
+    called every few turns, on the busy loop's thread) or a dummy batch (``method``: the
+    engine is its first argument). The loop's state says so while it lasts, and its time
+    does not count against progress after it. vLLM's call is outside the guarded parts."""
 
-    def wait_for_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
-        record = self.__dict__.get(ENGINE_ATTR) if fix.stamping else None
-        if record is None:
-            return original(self, *args, **kwargs)
-        loop = record.loop
-        previous = loop.phase
+    def wait_for_peers(*args: Any, **kwargs: Any) -> Any:
+        token = fix.enter_sync(args[0] if method and args else None, detail)
         try:
-            started = monotonic()
-            loop.phase = new(Phase, (SYNC, detail, started))
-            if stamp_site.fail:
-                raise InjectedFault(f"fault injected at {stamp_site.name}")
-        except Exception as exc:
-            fix.errors.record(stamp_site.name, exc)
-            return original(self, *args, **kwargs)
-        try:
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
         finally:
-            now = monotonic()
-            loop.phase = new(Phase, (IDLE, "", now)) if previous[0] == IDLE else previous
-            # Most turns do no all-reduce and return at once: only a real wait is skipped.
-            if now - started > SYNC_SKIP_AFTER_S and fix.progressing:
-                try:
-                    record.progress.skip(now - started)
-                    if progress_site.fail:
-                        raise InjectedFault(f"fault injected at {progress_site.name}")
-                except Exception as exc:
-                    fix.errors.record(progress_site.name, exc)
+            if token is not None:
+                fix.leave_sync(token)
 
     return wait_for_peers
 

