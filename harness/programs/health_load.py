@@ -366,10 +366,15 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     """The scheduler schedules nothing while a request waits (the zero-token livelock: the
     busy loop turns, every ping is answered): 503 within the progress timeout plus the
     margin after the request; once the scheduler serves again, the request completes and
-    ``/health`` is 200 again."""
-    out, got = _injected_stall(
-        url, trigger_dir, inject.LIVELOCK, [lambda: chat(url, 3, 2)], 120, "livelock_s"
-    )
+    ``/health`` is 200 again. The request is text only: the bound runs from the engine's last
+    progress, and an image's processing in the API server (about a second on a loaded
+    2-core host) would come before the engine sees the request."""
+    payload = chat_payload("Describe a red square.", None, 2)
+
+    def send() -> int | None:
+        return http_post(url + "/v1/chat/completions", payload, 180).status
+
+    out, got = _injected_stall(url, trigger_dir, inject.LIVELOCK, [send], 120, "livelock_s")
     if got:
         out["request"] = got[0]
     return out

@@ -31,10 +31,17 @@ def stall_reports(log_text: str) -> list[tuple[str, list[str]]]:
         if PREFIX + STALL not in line:
             continue
         stack: list[str] = []
+        misses = 0
         for follow in lines[i + 1 : i + 60]:
             match = _STACK_LINE.search(follow)
             if match is None:
-                break
+                # A line of another process written between two of the report's (vLLM's
+                # output of several processes interleaves), or the end of the stack.
+                misses += 1
+                if misses > 2 or PREFIX in follow:
+                    break
+                continue
+            misses = 0
             stack.append(match.group(1))
         out.append((line, stack))
     return out
