@@ -291,7 +291,13 @@ def phase_stuck_step(
     with Poller(url, interval=0.5, timeout=5.0) as poller:
         trigger = inject.trigger(trigger_dir, inject.STUCK_STEP)
         started = time.monotonic()
-        request = threading.Thread(target=lambda: out.setdefault("request", chat(url, 1, 2)))
+        # Text only, as the livelock's request: the bound runs from the step's start.
+        payload = chat_payload("Describe a blue circle.", None, 2)
+        request = threading.Thread(
+            target=lambda: out.setdefault(
+                "request", http_post(url + "/v1/chat/completions", payload, 180).status
+            )
+        )
         request.start()
         released = _detect_and_release(poller, url, trigger, started, limit, out)
         request.join(200)
