@@ -111,9 +111,9 @@ def busy_loop_request(engine: Any, call_id: int) -> dict[str, Any]:
     return reply(engine)
 
 
-def ping_from_input_thread(engine: Any, call_id: int) -> dict[str, Any] | None:
-    """What the input thread does with a decoded ping; then the busy loop's turn."""
-    item = utility(engine, call_id, "mmcache_fix_ping")
+def put_from_input_thread(engine: Any, item: Any) -> list[str]:
+    """``item`` put on the input queue from a thread of its own, as vLLM's input thread does;
+    the exceptions that reached that thread (none when the plugin fails open)."""
     errors: list[str] = []
 
     def put() -> None:
@@ -125,6 +125,12 @@ def ping_from_input_thread(engine: Any, call_id: int) -> dict[str, Any] | None:
     thread = threading.Thread(target=put, name="input")
     thread.start()
     thread.join()
+    return errors
+
+
+def ping_from_input_thread(engine: Any, call_id: int) -> dict[str, Any] | None:
+    """What the input thread does with a decoded ping; then the busy loop's turn."""
+    errors = put_from_input_thread(engine, utility(engine, call_id, "mmcache_fix_ping"))
     if errors:
         return {"raised": errors}
     if engine.output_queue.empty():
@@ -249,18 +255,7 @@ def unwrapped_queue(call_id: int) -> Any:
 def request_from_input_thread(engine: Any, call_id: int) -> Any:
     """What the input thread does with a decoded request (not a ping); then the busy loop's
     turn takes it."""
-    item = utility(engine, call_id, "echo", f"value-{call_id}")
-    errors: list[str] = []
-
-    def put() -> None:
-        try:
-            engine.input_queue.put_nowait(item)
-        except Exception as exc:  # an exception into vLLM's input thread
-            errors.append(repr(exc))
-
-    thread = threading.Thread(target=put, name="input")
-    thread.start()
-    thread.join()
+    errors = put_from_input_thread(engine, utility(engine, call_id, "echo", f"value-{call_id}"))
     if errors:
         return {"raised": errors}
     core.EngineCoreProc._process_input_queue(engine)

@@ -302,26 +302,13 @@ def test_one_lost_answer_is_not_a_dead_thread() -> None:
     assert stuck == [] and pending <= 1
 
 
-def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    step_bound = 90.0
+def _verdicts(script: list[dict[str, Any]], step_bound: float) -> list[list[str | None]]:
+    """The heartbeat's stuck verdicts after each answer of ``script`` (one every 2 s)."""
 
     async def go() -> list[list[str | None]]:
         client = Client()
         beat = Heartbeat(client, TIMEOUT, step_timeout=step_bound)
         out: list[list[str | None]] = []
-        script = [
-            reply("utility", 30 * TIMEOUT, "reset_prefix_cache"),
-            reply("step", TIMEOUT + 1),  # a long healthy step: past the health timeout
-            reply("step", step_bound - 1),
-            reply("step", step_bound + 1),  # once: not yet
-            reply("step", step_bound + 3),  # twice in a row: stuck
-            reply("idle", 0.0),  # recovery at once
-            reply("add", TIMEOUT + 3),
-            reply("add", TIMEOUT + 5),
-            reply("idle", 0.0),
-        ]
         for i, answer in enumerate(script):
             client.answer = answer
             beat.tick(client, 2.0 * i, responsive=True)
@@ -329,8 +316,26 @@ def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
             out.append([b.stuck for b in beat.verdict()])
         return out
 
+    return run(go())
+
+
+def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    step_bound = 90.0
+    script = [
+        reply("utility", 30 * TIMEOUT, "reset_prefix_cache"),
+        reply("step", TIMEOUT + 1),  # a long healthy step: past the health timeout
+        reply("step", step_bound - 1),
+        reply("step", step_bound + 1),  # once: not yet
+        reply("step", step_bound + 3),  # twice in a row: stuck
+        reply("idle", 0.0),  # recovery at once
+        reply("add", TIMEOUT + 3),
+        reply("add", TIMEOUT + 5),
+        reply("idle", 0.0),
+    ]
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
-        out = run(go())
+        out = _verdicts(script, step_bound)
     assert out[0] == [] and out[1] == [] and out[2] == [] and out[3] == []
     assert len(out[4]) == 1 and "busy loop has been inside one step for 93.0 s" in str(out[4][0])
     assert "MMCACHE_FIX_STEP_TIMEOUT=90" in str(out[4][0])
@@ -345,25 +350,13 @@ def test_a_dp_rank_waiting_for_its_peers_is_judged_as_a_step() -> None:
     """The DP all-reduce or a dummy batch waits as long as the peers' step: healthy past the
     health timeout, stuck only past the step bound."""
     step_bound = 90.0
-
-    async def go() -> list[list[str | None]]:
-        client = Client()
-        beat = Heartbeat(client, TIMEOUT, step_timeout=step_bound)
-        out: list[list[str | None]] = []
-        script = [
-            reply("sync", TIMEOUT + 1, "dp all-reduce"),
-            reply("sync", step_bound - 1, "dummy batch"),
-            reply("sync", step_bound + 1, "dp all-reduce"),
-            reply("sync", step_bound + 3, "dp all-reduce"),
-        ]
-        for i, answer in enumerate(script):
-            client.answer = answer
-            beat.tick(client, 2.0 * i, responsive=True)
-            await settle()
-            out.append([b.stuck for b in beat.verdict()])
-        return out
-
-    out = run(go())
+    script = [
+        reply("sync", TIMEOUT + 1, "dp all-reduce"),
+        reply("sync", step_bound - 1, "dummy batch"),
+        reply("sync", step_bound + 1, "dp all-reduce"),
+        reply("sync", step_bound + 3, "dp all-reduce"),
+    ]
+    out = _verdicts(script, step_bound)
     assert out[0] == [] and out[1] == [] and out[2] == []
     assert len(out[3]) == 1 and "inside one sync for 93.0 s" in str(out[3][0])
     assert "MMCACHE_FIX_STEP_TIMEOUT=90" in str(out[3][0])
