@@ -303,10 +303,15 @@ class EngineLivenessAnswer(Fix):
         signals.ENGINE_CORE_RUNNING.send()
 
     def enter(self, engine: Any, state: str, detail: str = "") -> tuple[Adopted, Phase] | None:
+        """Enter ``state`` in ``engine``'s loop (None: the engine whose busy loop runs on this
+        thread); the token to give back to :meth:`leave`."""
         if not self.stamping:
             return None
         with self._stamp_site:
-            record = engine.__dict__.get(ENGINE_ATTR)
+            if engine is None:
+                record = getattr(self._busy_loop, "record", None)
+            else:
+                record = engine.__dict__.get(ENGINE_ATTR)
             if record is not None:
                 return record, record.loop.enter(state, detail)
         return None
@@ -333,31 +338,9 @@ class EngineLivenessAnswer(Fix):
             record, previous = token
             record.loop.leave(previous)
 
-    def enter_sync(self, engine: Any, detail: str) -> tuple[Adopted, Phase] | None:
-        """Enter the ``sync`` phase of ``engine`` (None: the engine whose busy loop runs on
-        this thread)."""
-        if not self.stamping:
-            return None
-        with self._stamp_site:
-            if engine is None:
-                record = getattr(self._busy_loop, "record", None)
-            else:
-                record = engine.__dict__.get(ENGINE_ATTR)
-            if record is not None:
-                return record, record.loop.enter(SYNC, detail)
-        return None
-
-    def leave_sync(self, token: tuple[Adopted, Phase]) -> None:
-        record = token[0]
-        since = record.loop.phase.since
-        self.leave(token)
-        waited = time.monotonic() - since
-        if waited > SYNC_SKIP_AFTER_S and self.progressing:
-            with self._progress_site:
-                record.progress.skip(waited)
-
     def after_request(self, token: tuple[Adopted, Phase] | None, since: float) -> None:
-        """An add, abort or utility call returned: the progress clock learns of it."""
+        """An add, abort, utility call or wait for the peers returned: the progress clock
+        learns of it (the time of a call or a wait does not count)."""
         if token is None or not self.progressing:
             return
         with self._progress_site:
@@ -368,7 +351,7 @@ class EngineLivenessAnswer(Fix):
                 record.progress.added(now)
             elif state == ABORT:
                 record.progress.aborted(now)
-            elif state == UTILITY:
+            elif state in (UTILITY, SYNC):
                 record.progress.skip(now - since)
 
     def abort_stuck(self, engine: Any, record: Adopted, now: float) -> None:
@@ -629,10 +612,6 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
     return _process_engine_step_abort_stuck
 
 
-SYNC_SKIP_AFTER_S = 0.001
-"""A wait for the peers shorter than this is not taken off the progress clock."""
-
-
 def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: bool) -> Any:
     """A DP rank's wait for its peers: the all-reduce (``ParallelConfig``'s static method,
     called every few turns, on the busy loop's thread) or a dummy batch (``method``: the
@@ -640,12 +619,13 @@ def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: boo
     does not count against progress after it. vLLM's call is outside the guarded parts."""
 
     def wait_for_peers(*args: Any, **kwargs: Any) -> Any:
-        token = fix.enter_sync(args[0] if method and args else None, detail)
+        token = fix.enter(args[0] if method and args else None, SYNC, detail)
         try:
             return original(*args, **kwargs)
         finally:
             if token is not None:
-                fix.leave_sync(token)
+                fix.after_request(token, token[0].loop.phase.since)
+                fix.leave(token)
 
     return wait_for_peers
 
