@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from .core.declaration import Declaration
     from .core.lifecycle import Fix
-    from .core.settings import SettingSpec
+    from .core.settings_table import SettingSpec
 
 _HEALTH = (HEALTH_TARGET.module,)
 _ANSWER = (ENGINE_CORE_CLASS.module,)
@@ -296,7 +296,7 @@ def declarations() -> tuple[Declaration, ...]:
 
 def settings() -> tuple[SettingSpec, ...]:
     """Every ``MMCACHE_FIX_*`` setting: the plugin's own and each fix's (``check``'s table)."""
-    from .core.settings import SETTINGS_AFTER_FIXES, SETTINGS_BEFORE_FIXES
+    from .core.settings_table import SETTINGS_AFTER_FIXES, SETTINGS_BEFORE_FIXES
 
     declared = tuple(spec for d in declarations() for spec in d.settings)
     return (*SETTINGS_BEFORE_FIXES, *declared, *SETTINGS_AFTER_FIXES)

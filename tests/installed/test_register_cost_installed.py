@@ -30,6 +30,7 @@ from vllm_mmcache_fix import plugin
 from vllm_mmcache_fix.core import registry
 vllm_mmcache_fix.register()
 at_register = [s.id for s in plugin._SLOTS if s.fix is not None]
+modules = sorted(m for m in sys.modules if m.startswith("vllm_mmcache_fix"))
 for name in spec["after"]:
     try:
         importlib.import_module(name)
@@ -40,7 +41,7 @@ lazy = sorted(f"{a.patch_id} {a.target}" for a in registry.applied())
 status = vllm_mmcache_fix.status()  # builds and installs every fix, as the eager plugin did
 eager = sorted(f"{a.patch_id} {a.target}" for a in registry.applied())
 print("RESULT " + json.dumps({
-    "at_register": at_register, "later": later, "lazy": lazy, "eager": eager,
+    "at_register": at_register, "modules": modules, "later": later, "lazy": lazy, "eager": eager,
     "installed": status["installed"], "internal_errors": status["internal_errors"],
 }))
 """
@@ -93,6 +94,24 @@ def test_each_process_kind_loads_what_acts_there(version: str, kind: str, vllm_v
     extra = {p.split()[0] for p in set(out["eager"]) - set(out["lazy"])}
     assert extra <= ({"mm-drift-sender", "mm-drift-processor"} if DRIFT not in later else set())
     assert any(p.startswith("mm-lru") for p in out["lazy"]), out
+    if kind == "worker":
+        # A worker loads the eviction fix and the core it needs: no other fix, no operator
+        # tool, not the settings table (each module costs about 0.1 ms there).
+        extra = [
+            m
+            for m in out["modules"]
+            if not m.startswith(("vllm_mmcache_fix.core", "vllm_mmcache_fix.lru_eviction"))
+            and m not in WORKER_ROOT_MODULES
+        ]
+        assert extra == [] and "vllm_mmcache_fix.core.settings_table" not in out["modules"]
+
+
+WORKER_ROOT_MODULES = {
+    "vllm_mmcache_fix",
+    "vllm_mmcache_fix._version",
+    "vllm_mmcache_fix.plugin",
+    "vllm_mmcache_fix.vllm_layout",
+}
 
 
 CALLS = re.compile(r"\b(renderer_from_config|processor_cache_from_config)\(")

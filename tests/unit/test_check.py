@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from vllm_mmcache_fix import __version__
-from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE, SettingReport
+from vllm_mmcache_fix.core.settings import ENV_HEALTH_TIMEOUT, ENV_MODE
+from vllm_mmcache_fix.core.settings_table import SettingReport
 from vllm_mmcache_fix.lru_eviction.probe import Exposure
 from vllm_mmcache_fix.tools import check
 from vllm_mmcache_fix.tools.check import Cause, CheckReport, Verdict

@@ -107,10 +107,10 @@ def _stuck_engine(fix: EngineLivenessAnswer, *requests: Request) -> tuple[Engine
 
 
 def test_off_by_default_and_bad_values_say_why() -> None:
-    assert read_abort_stuck({}).value is Switch.OFF and read_abort_stuck({}).problem is None
-    assert read_abort_stuck({ENV_ABORT_STUCK: " ON "}).value is Switch.ON
+    assert read_abort_stuck({}).value == Switch.OFF and read_abort_stuck({}).problem is None
+    assert read_abort_stuck({ENV_ABORT_STUCK: " ON "}).value == Switch.ON
     bad = read_abort_stuck({ENV_ABORT_STUCK: "yes please"})
-    assert bad.value is Switch.OFF
+    assert bad.value == Switch.OFF
     assert bad.problem is not None and ENV_ABORT_STUCK in bad.problem
     assert "'yes please'" in bad.problem and "off|on" in bad.problem
 

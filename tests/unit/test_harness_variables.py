@@ -35,7 +35,7 @@ def test_every_mmcache_fix_name_the_harness_uses_is_a_plugin_setting() -> None:
 
 
 def test_the_harness_variables_are_not_reported_as_settings() -> None:
-    from vllm_mmcache_fix.core import settings as s
+    from vllm_mmcache_fix.core import settings_table as s
 
     env = {f"{HARNESS_PREFIX}CACHE": "/tmp/x", f"{HARNESS_PREFIX}E2E_VERSIONS": "0.23.0"}
     rows = s.report_settings(env)

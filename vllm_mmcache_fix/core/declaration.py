@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from typing import Any, Protocol
 
     from .lifecycle import Fix
-    from .settings import SettingSpec
+    from .settings_table import SettingSpec
 
     class Root(Protocol):
         """What a fix's builder and readers may ask of the root (``plugin.py``)."""

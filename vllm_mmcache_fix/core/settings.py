@@ -2,15 +2,14 @@
 
 Names carry no ``VLLM_`` prefix: vLLM 0.17 and later warn about unknown
 ``VLLM_*`` variables. A bad value is never fatal: the default is used and the
-setting carries one sentence saying why.
+setting carries one sentence saying why. The table of every setting, as ``check`` reports
+them, is :mod:`.settings_table` (not loaded by a vLLM worker).
 """
 
 from __future__ import annotations
 
-import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Mapping, Sequence
 
 from .records import frozen
 
@@ -20,7 +19,10 @@ ENV_FAIL_AT = "MMCACHE_FIX_FAIL_AT"
 ENV_HEALTH_TIMEOUT = "MMCACHE_FIX_HEALTH_TIMEOUT"
 
 
-class Mode(str, enum.Enum):
+class Mode:
+    """``MMCACHE_FIX_MODE``'s values (plain strings: an ``enum.Enum`` class costs 0.1 ms to
+    build, in every vLLM process)."""
+
     ON = "on"
     """Patch the multimodal caches (default)."""
     WARN = "warn"
@@ -34,7 +36,9 @@ class Mode(str, enum.Enum):
     """Do nothing at all."""
 
 
-class DriftMode(str, enum.Enum):
+class DriftMode:
+    """``MMCACHE_FIX_DRIFT``'s values."""
+
     ON = "on"
     """Undo the cache changes of rejected requests and recover from EngineCore misses."""
     RECOVER = "recover"
@@ -43,44 +47,45 @@ class DriftMode(str, enum.Enum):
     """Patch nothing for drift."""
 
 
+MODES = (Mode.ON, Mode.WARN, Mode.OFF)
+DRIFT_MODES = (DriftMode.ON, DriftMode.RECOVER, DriftMode.OFF)
 DEFAULT_MODE = Mode.ON
 DEFAULT_DRIFT = DriftMode.ON
 
-E = TypeVar("E", bound=enum.Enum)
-
 
 @frozen
-class Setting(Generic[E]):
-    value: E
+class Setting:
+    value: str
+    """One of the setting's choices."""
     problem: str | None = None
     """A sentence explaining why the environment value was not used."""
 
     @property
-    def mode(self) -> E:
+    def mode(self) -> str:
         return self.value
 
 
 def read_choice(
-    name: str, choices: type[E], default: E, environ: Mapping[str, str] | None = None
-) -> Setting[E]:
+    name: str, choices: Sequence[str], default: str, environ: Mapping[str, str] | None = None
+) -> Setting:
+    """One of ``choices`` (case and spaces ignored); empty means ``default``."""
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return Setting(default)
     value = raw.strip().lower()
-    for choice in choices:
-        if value == choice.value:
-            return Setting(choice)
-    allowed = "|".join(str(c.value) for c in choices)
-    return Setting(default, f"{name}={raw!r} is not one of {allowed}; using {default.value!r}")
+    if value in choices:
+        return Setting(value)
+    allowed = "|".join(choices)
+    return Setting(default, f"{name}={raw!r} is not one of {allowed}; using {default!r}")
 
 
-def read_mode(environ: Mapping[str, str] | None = None) -> Setting[Mode]:
-    return read_choice(ENV_MODE, Mode, DEFAULT_MODE, environ)
+def read_mode(environ: Mapping[str, str] | None = None) -> Setting:
+    return read_choice(ENV_MODE, MODES, DEFAULT_MODE, environ)
 
 
-def read_drift_mode(environ: Mapping[str, str] | None = None) -> Setting[DriftMode]:
-    return read_choice(ENV_DRIFT, DriftMode, DEFAULT_DRIFT, environ)
+def read_drift_mode(environ: Mapping[str, str] | None = None) -> Setting:
+    return read_choice(ENV_DRIFT, DRIFT_MODES, DEFAULT_DRIFT, environ)
 
 
 def read_fail_at(environ: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -186,17 +191,18 @@ ENV_ABORT_STUCK = "MMCACHE_FIX_ABORT_STUCK"
 """Whether EngineCore aborts the oldest stuck request at a zero-token livelock (default off)."""
 
 
-class Switch(str, enum.Enum):
+class Switch:
     OFF = "off"
     ON = "on"
 
 
+SWITCHES = (Switch.OFF, Switch.ON)
 DEFAULT_ABORT_STUCK = Switch.OFF
 
 
-def read_abort_stuck(environ: Mapping[str, str] | None = None) -> Setting[Switch]:
+def read_abort_stuck(environ: Mapping[str, str] | None = None) -> Setting:
     """``MMCACHE_FIX_ABORT_STUCK``: on | off (default off)."""
-    return read_choice(ENV_ABORT_STUCK, Switch, DEFAULT_ABORT_STUCK, environ)
+    return read_choice(ENV_ABORT_STUCK, SWITCHES, DEFAULT_ABORT_STUCK, environ)
 
 
 ENV_STALL_SECONDS = "MMCACHE_FIX_STALL_SECONDS"
@@ -228,181 +234,7 @@ def read_snapshot_dir(environ: Mapping[str, str] | None = None) -> tuple[str, st
     return path, None
 
 
-def _read_snapshot_dir(environ: Mapping[str, str]) -> Reading:
-    path, problem = read_snapshot_dir(environ)
-    return Reading(path, problem)
-
-
-# --------------------------------------------------------------------------- the table
-
 ENV_PATCHES_DIR = "MMCACHE_FIX_PATCHES_DIR"
 """Where ``vllm-mmcache-fix patch`` finds ``index.json`` and the diffs (default: the wheel's)."""
 
 ENV_PREFIX = "MMCACHE_FIX_"
-
-
-@frozen
-class Reading:
-    """One setting as a process would read it: the value it uses and, if the environment's
-    value was not usable (or is risky), one sentence saying why."""
-
-    value: object
-    problem: str | None = None
-
-
-def _read_fail_at(environ: Mapping[str, str]) -> Reading:
-    places = read_fail_at(environ)
-    if not places:
-        return Reading("")
-    return Reading(
-        ",".join(sorted(places)),
-        f"{ENV_FAIL_AT}={environ.get(ENV_FAIL_AT)!r} makes the plugin fail on purpose at "
-        "these places (fault injection, for tests only); unset it in production",
-    )
-
-
-def _read_patches_dir(environ: Mapping[str, str]) -> Reading:
-    raw = environ.get(ENV_PATCHES_DIR)
-    if raw is None or raw.strip() == "":
-        return Reading("")
-    path = os.path.expanduser(raw)
-    if not os.path.isfile(os.path.join(path, "index.json")):
-        return Reading(
-            path, f"{ENV_PATCHES_DIR}={raw!r} has no index.json: `patch` will fail with it"
-        )
-    return Reading(path)
-
-
-@frozen
-class SettingSpec:
-    name: str
-    default: str
-    """The default as an operator would write it ("" for unset)."""
-    values: str
-    """What the setting accepts, in a few words."""
-    meaning: str
-    read: Callable[[Mapping[str, str]], Reading]
-
-
-def choice_reader(
-    reader: Callable[[Mapping[str, str] | None], Setting[Any]],
-) -> Callable[[Mapping[str, str]], Reading]:
-    def read(environ: Mapping[str, str]) -> Reading:
-        setting = reader(environ)
-        return Reading(setting.value.value, setting.problem)
-
-    return read
-
-
-def float_reader(
-    reader: Callable[[Mapping[str, str] | None], FloatSetting],
-) -> Callable[[Mapping[str, str]], Reading]:
-    def read(environ: Mapping[str, str]) -> Reading:
-        setting = reader(environ)
-        return Reading(setting.value, setting.problem)
-
-    return read
-
-
-SETTINGS_BEFORE_FIXES: tuple[SettingSpec, ...] = (
-    SettingSpec(
-        ENV_MODE,
-        DEFAULT_MODE.value,
-        "on | warn | off",
-        "on: patch the multimodal caches; warn: leave the caches as vLLM has them, warn when "
-        "exposed, keep the stall detection (/health check, sentinel, metrics); off: nothing",
-        choice_reader(read_mode),
-    ),
-)
-SETTINGS_AFTER_FIXES: tuple[SettingSpec, ...] = (
-    SettingSpec(
-        ENV_SNAPSHOT_DIR,
-        "",
-        "a directory",
-        "where the API server writes one JSON stall snapshot at each stall's first verdict "
-        "(default: <temp dir>/" + SNAPSHOT_DIR_NAME + ")",
-        _read_snapshot_dir,
-    ),
-    SettingSpec(
-        ENV_FAIL_AT,
-        "",
-        "place names, comma-separated, or *",
-        "fault injection for tests: the named places of the plugin fail on purpose",
-        _read_fail_at,
-    ),
-    SettingSpec(
-        ENV_PATCHES_DIR,
-        "",
-        "a directory",
-        "where `vllm-mmcache-fix patch` finds index.json and the diffs",
-        _read_patches_dir,
-    ),
-)
-"""The settings of the plugin as a whole; each fix declares its own (``<fix>/owns.py``) and
-``plugin.settings()`` lists them all, in this order, for ``check``. A new ``ENV_*`` name
-gets a row somewhere (``tests/unit/test_settings_table.py`` fails until it has one)."""
-
-
-def setting_names() -> list[str]:
-    """Every ``ENV_*`` name this module defines, with or without a row in :data:`SETTINGS`."""
-    return sorted(
-        value
-        for key, value in globals().items()
-        if key.startswith("ENV_") and key != "ENV_PREFIX" and isinstance(value, str)
-    )
-
-
-@frozen
-class SettingReport:
-    name: str
-    raw: str | None
-    """The environment's value, None when unset."""
-    effective: object
-    """The value the plugin uses (the default when unset or bad)."""
-    default: str
-    values: str
-    problem: str | None
-    known: bool = True
-
-
-def report_settings(
-    environ: Mapping[str, str] | None = None, specs: Sequence[SettingSpec] | None = None
-) -> list[SettingReport]:
-    """Every setting (``specs``, by default ``plugin.settings()``, or ``MMCACHE_FIX_*`` in the
-    environment) with its effective value and the problem with it, if any. An unknown
-    ``MMCACHE_FIX_*`` name is reported: a typo would otherwise be ignored silently."""
-    env = os.environ if environ is None else environ
-    if specs is None:
-        from .. import plugin
-
-        specs = plugin.settings()
-    rows: list[SettingReport] = []
-    for spec in specs:
-        raw = env.get(spec.name)
-        try:
-            reading = spec.read(env)
-        except Exception as exc:  # a reader must never break the report
-            reading = Reading(None, f"{spec.name}={raw!r} could not be read: {exc!r}")
-        rows.append(
-            SettingReport(spec.name, raw, reading.value, spec.default, spec.values, reading.problem)
-        )
-    listed = {spec.name for spec in specs}
-    for name in setting_names():
-        if name not in listed:
-            # A setting defined above without a row yet: reported, not validated.
-            rows.append(SettingReport(name, env.get(name), env.get(name), "", "", None))
-    known = {row.name for row in rows}
-    for name in sorted(env):
-        if name.startswith(ENV_PREFIX) and name not in known:
-            rows.append(
-                SettingReport(
-                    name,
-                    env[name],
-                    None,
-                    "",
-                    "",
-                    f"{name} is not a setting of vllm-mmcache-fix; it has no effect",
-                    known=False,
-                )
-            )
-    return rows

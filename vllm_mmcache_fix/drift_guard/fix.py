@@ -57,13 +57,13 @@ class DriftGuard(Fix):
 
     def _install(self) -> None:
         mode = read_mode().value
-        if mode is not Mode.ON:
-            raise DidNotEnable(f"MMCACHE_FIX_MODE={mode.value}: only 'on' guards the sender cache")
+        if mode != Mode.ON:
+            raise DidNotEnable(f"MMCACHE_FIX_MODE={mode}: only 'on' guards the sender cache")
         setting = read_drift_mode()
         self.state.mode = setting.value
         if setting.problem:
             self.note(setting.problem)
-        if setting.value is DriftMode.OFF:
+        if setting.value == DriftMode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_DRIFT=off")
         self.errors.reload_faults()
         self.state.installed = True
@@ -80,7 +80,7 @@ class DriftGuard(Fix):
 
     def _status(self) -> dict[str, Any]:
         return {
-            "mode": self.state.mode.value if self.state.mode else None,
+            "mode": self.state.mode,
             "installed": self.state.installed,
             "patched": dict(self.state.patched),
             "tracking": self.state.live,
@@ -158,7 +158,7 @@ class DriftGuard(Fix):
                 "%s %s (mode=%s): %s; recovery from EngineCore misses %s",
                 DRIFT_GUARD_ACTIVE,
                 process_label(),
-                self.state.mode.value if self.state.mode else "?",
+                self.state.mode or "?",
                 ", ".join(f"{k}={v}" for k, v in sorted(self.state.patched.items())),
                 "on" if recovery_on else "waits for vllm.v1.engine.async_llm",
             )

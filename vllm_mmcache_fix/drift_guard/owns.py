@@ -10,10 +10,9 @@ from ..core.declaration import Count, Declaration, MetricSpec, PatchSpec
 from ..core.settings import (
     DEFAULT_DRIFT,
     ENV_DRIFT,
-    SettingSpec,
-    choice_reader,
     read_drift_mode,
 )
+from ..core.settings_table import SettingSpec, choice_reader
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -169,7 +168,7 @@ DECLARATION = Declaration(
     settings=(
         SettingSpec(
             ENV_DRIFT,
-            DEFAULT_DRIFT.value,
+            DEFAULT_DRIFT,
             "on | recover | off",
             "the API server's sender-cache guard: undo rejected requests and recover, "
             "recover only, or off",

@@ -90,7 +90,7 @@ class Sites(NamedTuple):
 
 @dataclass
 class GuardState:
-    mode: DriftMode | None = None
+    mode: str | None = None
     installed: bool = False
     tracking: bool = False
     """A sender cache is tracked in this process (so this is the API server)."""
@@ -160,7 +160,7 @@ class GuardState:
 
     @property
     def prevent(self) -> bool:
-        return self.mode is DriftMode.ON and "process_inputs" in self.patched
+        return self.mode == DriftMode.ON and "process_inputs" in self.patched
 
     @property
     def recovery(self) -> bool:

@@ -83,7 +83,7 @@ class EngineHealth(Fix):
     # -- lifecycle -----------------------------------------------------------------
 
     def _install(self) -> None:
-        if read_mode().value is Mode.OFF:
+        if read_mode().value == Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         setting = read_health_timeout()
         if setting.problem and self.note_problem(setting.problem):

@@ -17,14 +17,12 @@ from ..core.settings import (
     ENV_STEP_TIMEOUT,
     MIN_HEALTH_TIMEOUT,
     VLLM_STEP_TIMEOUT,
-    SettingSpec,
-    choice_reader,
-    float_reader,
     read_abort_stuck,
     read_health_timeout,
     read_progress_timeout,
     read_step_timeout,
 )
+from ..core.settings_table import SettingSpec, choice_reader, float_reader
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -140,7 +138,7 @@ ANSWER = Declaration(
     settings=(
         SettingSpec(
             ENV_ABORT_STUCK,
-            DEFAULT_ABORT_STUCK.value,
+            DEFAULT_ABORT_STUCK,
             "on | off",
             "on: at a zero-token livelock (no net progress for MMCACHE_FIX_PROGRESS_TIMEOUT), "
             "EngineCore aborts the oldest stuck request (its client gets finish_reason abort), "

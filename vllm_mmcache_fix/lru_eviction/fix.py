@@ -33,7 +33,7 @@ class LruEvictionFix(Fix):
         self._reset()
 
     def _reset(self) -> None:
-        self.mode: Mode | None = None
+        self.mode: str | None = None
         self.installed = False
         self.target: str | None = None
         self.layout: str | None = None
@@ -52,7 +52,7 @@ class LruEvictionFix(Fix):
         if setting.problem:
             self.note_problem(setting.problem)
             log.warning("%s", setting.problem)
-        if self.mode is Mode.OFF:
+        if self.mode == Mode.OFF:
             log.info("disabled by MMCACHE_FIX_MODE=off in %s; nothing patched", process_label())
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         fixed_cache.add_repair_listener(self._on_repair)
@@ -64,7 +64,7 @@ class LruEvictionFix(Fix):
 
     def _status(self) -> dict[str, Any]:
         return {
-            "mode": self.mode.value if self.mode else None,
+            "mode": self.mode,
             "installed": self.installed,
             "waiting_for_import": self.waiting_for_import,
             "target": self.target,
@@ -96,7 +96,7 @@ class LruEvictionFix(Fix):
         self.layout = factory.layout
         self.exposure = probe(factory.lru_class) if factory.lru_class is not None else None
         try:
-            if self.mode is Mode.WARN:
+            if self.mode == Mode.WARN:
                 self.not_enabled_reason = "MMCACHE_FIX_MODE=warn"
                 wrap_factory(PATCH_OBSERVE, factory, self._observe_build, self._on_build_error)
                 return True

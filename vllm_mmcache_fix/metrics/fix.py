@@ -41,7 +41,7 @@ class PluginMetrics(Fix):
         self.switched_off: str | None = None
 
     def _install(self) -> None:
-        if read_mode().value is Mode.OFF:
+        if read_mode().value == Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         signals.API_SERVER_SERVING.connect(self.start)
         signals.ENGINE_ANSWERED.connect(self.observe_round_trip)

@@ -107,7 +107,7 @@ class StallSentinelFix(Fix):
     # -- lifecycle -----------------------------------------------------------------
 
     def _install(self) -> None:
-        if read_mode().value is Mode.OFF:
+        if read_mode().value == Mode.OFF:
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
         setting = read_stall_seconds()
         if setting.problem:

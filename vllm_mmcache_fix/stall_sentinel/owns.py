@@ -10,10 +10,9 @@ from ..core.declaration import Count, Declaration, MetricSpec
 from ..core.settings import (
     DEFAULT_STALL_SECONDS,
     ENV_STALL_SECONDS,
-    SettingSpec,
-    float_reader,
     read_stall_seconds,
 )
+from ..core.settings_table import SettingSpec, float_reader
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

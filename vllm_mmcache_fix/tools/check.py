@@ -33,9 +33,8 @@ from ..core.settings import (
     ENV_MODE,
     MIN_HEALTH_TIMEOUT,
     Mode,
-    SettingReport,
-    report_settings,
 )
+from ..core.settings_table import SettingReport, report_settings
 from ..lru_eviction.probe import Exposure, probe
 from ..vllm_layout import (
     MM_CACHE_FACTORY,
@@ -116,7 +115,7 @@ class CheckReport:
     """The entry points ``VLLM_PLUGINS`` keeps vLLM from loading."""
     ascend_entry_points: list[str] = field(default_factory=list)
     """vllm-ascend's entry point names, from its installed metadata."""
-    mode: str = Mode.ON.value
+    mode: str = Mode.ON
     settings: list[dict[str, Any]] = field(default_factory=list)
     """Every ``MMCACHE_FIX_*`` setting: raw value, effective value, problem."""
     patch_works: bool | None = None
@@ -563,12 +562,12 @@ def _find_causes(report: CheckReport, allowed: list[str] | None, trial: _Trial, 
                 f"set VLLM_PLUGINS={_plugins_with_us(report, allowed)} (or unset VLLM_PLUGINS)",
             )
         )
-    if report.mode != Mode.ON.value:
+    if report.mode != Mode.ON:
         add(
             Finding(
-                Cause.MODE_OFF if report.mode == Mode.OFF.value else Cause.MODE_WARN,
+                Cause.MODE_OFF if report.mode == Mode.OFF else Cause.MODE_WARN,
                 f"{ENV_MODE}={report.mode}: the plugin "
-                + ("does nothing" if report.mode == Mode.OFF.value else "only warns"),
+                + ("does nothing" if report.mode == Mode.OFF else "only warns"),
                 f"unset {ENV_MODE} (or set it to on)",
             )
         )
@@ -645,7 +644,7 @@ def plugin_loads(environ: dict[str, str] | None = None) -> str | None:
     env = dict(os.environ) if environ is None else environ
     report = CheckReport(verdict=Verdict.UNPROTECTED, summary="")
     _read_environment(report, env)
-    if not report.plugin_allowed or report.mode != Mode.ON.value:
+    if not report.plugin_allowed or report.mode != Mode.ON:
         return None
     return (
         f"vllm-mmcache-fix {report.plugin_version or report.tool_version} is installed, "
