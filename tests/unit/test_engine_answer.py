@@ -122,6 +122,27 @@ def test_the_answer_says_what_the_busy_loop_does() -> None:
     assert engine.output_queue.get_nowait()[2]["loop"]["state"] == IDLE
 
 
+def test_the_step_wrapper_passes_vllms_arguments_through() -> None:
+    """vLLM calls its step without arguments (the wrapper then calls it plainly); one that
+    took some would get them all, positional and keyword, adopted engine or not."""
+    fix = _fix()
+    calls: list[tuple[Any, ...]] = []
+
+    def original(self: Any, *args: Any, **kwargs: Any) -> bool:
+        calls.append((args, kwargs))
+        return True
+
+    step = answer_mod.make_step(fix, original)
+    adopted, other = Engine(), Engine()
+    fix.adopt(adopted)
+    for engine in (adopted, other):
+        assert step(engine) is True
+        assert step(engine, 1, budget=2) is True
+    assert calls == [((), {}), ((1,), {"budget": 2})] * 2
+    progress = adopted.__dict__[answer_mod.ENGINE_ATTR].progress
+    assert progress.timed == 2  # both steps of the adopted engine were timed
+
+
 def test_an_engine_never_adopted_answers_from_its_busy_loop_and_says_so() -> None:
     _fix()
     engine = Engine()
