@@ -78,6 +78,8 @@ TARGETS: tuple[Target, ...] = (
             "tests/realsrc/test_races.py",
             "tests/realsrc/test_repair_count.py",
             "tests/realsrc/test_cache_model.py",
+            "tests/realsrc/test_mm_cache_stats.py",  # the cache series it counts
+            "tests/realsrc/test_read_before_insert.py",
             "tests/unit/test_catalogue.py",
             "tests/unit/test_plugin_version.py",
         ),
