@@ -77,19 +77,11 @@ class SettingSpec:
     read: Callable[[Mapping[str, str]], Reading]
 
 
-def choice_reader(
-    reader: Callable[[Mapping[str, str] | None], Setting],
+def reading_of(
+    reader: Callable[[Mapping[str, str] | None], Setting | FloatSetting],
 ) -> Callable[[Mapping[str, str]], Reading]:
-    def read(environ: Mapping[str, str]) -> Reading:
-        setting = reader(environ)
-        return Reading(setting.value, setting.problem)
+    """A table row's reader from a setting's own parser (a choice or a number)."""
 
-    return read
-
-
-def float_reader(
-    reader: Callable[[Mapping[str, str] | None], FloatSetting],
-) -> Callable[[Mapping[str, str]], Reading]:
     def read(environ: Mapping[str, str]) -> Reading:
         setting = reader(environ)
         return Reading(setting.value, setting.problem)
@@ -104,7 +96,7 @@ SETTINGS_BEFORE_FIXES: tuple[SettingSpec, ...] = (
         "on | warn | off",
         "on: patch the multimodal caches; warn: leave the caches as vLLM has them, warn when "
         "exposed, keep the stall detection (/health check, sentinel, metrics); off: nothing",
-        choice_reader(read_mode),
+        reading_of(read_mode),
     ),
 )
 SETTINGS_AFTER_FIXES: tuple[SettingSpec, ...] = (

@@ -12,7 +12,7 @@ from ..core.settings import (
     ENV_DRIFT,
     read_drift_mode,
 )
-from ..core.settings_table import SettingSpec, choice_reader
+from ..core.settings_table import SettingSpec, reading_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ DECLARATION = Declaration(
             "on | recover | off",
             "the API server's sender-cache guard: undo rejected requests and recover, "
             "recover only, or off",
-            choice_reader(read_drift_mode),
+            reading_of(read_drift_mode),
         ),
     ),
     active=messages.DRIFT_GUARD_ACTIVE,

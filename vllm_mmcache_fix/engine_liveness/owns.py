@@ -22,7 +22,7 @@ from ..core.settings import (
     read_progress_timeout,
     read_step_timeout,
 )
-from ..core.settings_table import SettingSpec, choice_reader, float_reader
+from ..core.settings_table import SettingSpec, reading_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ ANSWER = Declaration(
             "on: at a zero-token livelock (no net progress for MMCACHE_FIX_PROGRESS_TIMEOUT), "
             "EngineCore aborts the oldest stuck request (its client gets finish_reason abort), "
             "at most once per engine per 5 minutes",
-            choice_reader(read_abort_stuck),
+            reading_of(read_abort_stuck),
         ),
     ),
     active=messages.ANSWER_ACTIVE,
@@ -211,7 +211,7 @@ HEALTH = Declaration(
             f"{DEFAULT_HEALTH_TIMEOUT:g}",
             "seconds >= 0",
             "/health fails when an EngineCore has not answered for this long; 0: off",
-            float_reader(read_health_timeout),
+            reading_of(read_health_timeout),
         ),
         SettingSpec(
             ENV_STEP_TIMEOUT,
@@ -219,7 +219,7 @@ HEALTH = Declaration(
             f"seconds >= {MIN_HEALTH_TIMEOUT:g}",
             f"/health fails when one EngineCore step has run this long (default: "
             f"{VLLM_STEP_TIMEOUT} or {DEFAULT_STEP_TIMEOUT:g})",
-            float_reader(read_step_timeout),
+            reading_of(read_step_timeout),
         ),
         SettingSpec(
             ENV_PROGRESS_TIMEOUT,
@@ -227,7 +227,7 @@ HEALTH = Declaration(
             "seconds 30-600; 0 = off",
             "/health fails when an EngineCore has made no net progress this long while "
             "requests wait",
-            float_reader(read_progress_timeout),
+            reading_of(read_progress_timeout),
         ),
     ),
     active=messages.LIVENESS_ACTIVE,

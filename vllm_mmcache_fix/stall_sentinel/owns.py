@@ -12,7 +12,7 @@ from ..core.settings import (
     ENV_STALL_SECONDS,
     read_stall_seconds,
 )
-from ..core.settings_table import SettingSpec, float_reader
+from ..core.settings_table import SettingSpec, reading_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ DECLARATION = Declaration(
             f"{DEFAULT_STALL_SECONDS:g}",
             "seconds >= 0",
             "the stall sentinel reports a thread stuck burning a core this long; 0: off",
-            float_reader(read_stall_seconds),
+            reading_of(read_stall_seconds),
         ),
     ),
     active=messages.STALL_SENTINEL_ACTIVE,
