@@ -104,6 +104,9 @@ def test_each_process_kind_loads_what_acts_there(version: str, kind: str, vllm_v
             and m not in WORKER_ROOT_MODULES
         ]
         assert extra == [] and "vllm_mmcache_fix.core.settings_table" not in out["modules"]
+        # The fixed class and its counts come with the first cache vLLM builds: none here.
+        assert "vllm_mmcache_fix.lru_eviction.cache" not in out["modules"], out["modules"]
+        assert "vllm_mmcache_fix.lru_eviction.stats" not in out["modules"], out["modules"]
 
 
 WORKER_ROOT_MODULES = {

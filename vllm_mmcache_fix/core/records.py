@@ -50,29 +50,33 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 def _make_init(cls: type, names: tuple[str, ...], defaults: dict[str, Any]) -> Any:
     title = cls.__name__
+    count = len(names)
+    setter = object.__setattr__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) > len(names):
+        given = len(args)
+        if given > count:
             raise TypeError(
-                f"{title}.__init__() takes {len(names) + 1} positional arguments but "
-                f"{len(args) + 1} were given"
+                f"{title}.__init__() takes {count + 1} positional arguments but "
+                f"{given + 1} were given"
             )
-        values = dict(zip(names, args))
-        for key, value in kwargs.items():
-            if key not in names:
-                raise TypeError(f"{title}.__init__() got an unexpected keyword argument {key!r}")
-            if key in values:
+        for name, value in zip(names, args):
+            setter(self, name, value)
+        if given == count and not kwargs:
+            return
+        for name in names[given:]:
+            if name in kwargs:
+                setter(self, name, kwargs.pop(name))
+            elif name in defaults:
+                setter(self, name, defaults[name])
+            else:
+                raise TypeError(
+                    f"{title}.__init__() missing 1 required positional argument: {name!r}"
+                )
+        for key in kwargs:  # what is left was given twice or is no field
+            if key in names:
                 raise TypeError(f"{title}.__init__() got multiple values for argument {key!r}")
-            values[key] = value
-        for name in names:
-            if name not in values:
-                if name not in defaults:
-                    raise TypeError(
-                        f"{title}.__init__() missing 1 required positional argument: {name!r}"
-                    )
-                values[name] = defaults[name]
-        for name in names:
-            object.__setattr__(self, name, values[name])
+            raise TypeError(f"{title}.__init__() got an unexpected keyword argument {key!r}")
 
     return __init__
 

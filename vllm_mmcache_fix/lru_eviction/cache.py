@@ -36,7 +36,7 @@ BASE_ATTR = "__mmcache_fix_base__"
 class RepairStats:
     """How often this process had to repair a cache whose order and data disagreed.
 
-    A plain class (not a dataclass): every vLLM process imports this module."""
+    A plain class (not a dataclass): every process that builds a cache imports this module."""
 
     def __init__(self, ghost_keys_dropped: int = 0, orphans_restored: int = 0) -> None:
         self.ghost_keys_dropped = ghost_keys_dropped

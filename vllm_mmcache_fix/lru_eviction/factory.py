@@ -13,8 +13,6 @@ from typing import Any
 
 from ..core import registry
 from ..core.signatures import SignatureMismatch, reader
-from . import stats
-from .cache import is_fixed
 from .locate import FACTORY, CacheFactory
 from .owns import PATCH_FIX as PATCH_FIX
 
@@ -56,6 +54,9 @@ def _guarded(
 ) -> Callable[[Any, float | None, Any], Any]:
     def call(cache: Any, capacity_gb: float | None, value_type: Any) -> Any:
         try:
+            from . import stats  # with the first cache built: a worker builds none
+            from .cache import is_fixed
+
             built = on_build(cache, capacity_gb)
             if is_fixed(built):
                 stats.track(built, value_type)

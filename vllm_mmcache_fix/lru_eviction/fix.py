@@ -11,11 +11,15 @@ from ..core.messages import REPAIRED
 from ..core.process import process_label
 from ..core.settings import Mode, read_mode
 from ..core.signatures import SignatureMismatch
-from . import cache as fixed_cache
 from . import report
 from .factory import PATCH_FIX, PATCH_OBSERVE, wrap_factory
 from .locate import WATCHED_MODULES, LayoutNotFound, locate_lru_class, locate_mm_cache_factory
+from .owns import REPAIR_KINDS
 from .probe import Exposure, probe
+
+_CACHE_MODULE = f"{__name__.rpartition('.')[0]}.cache"
+"""The fixed class and its repair counts: imported when vLLM builds its first cache (a worker
+never builds one)."""
 
 REPAIR_LOG_INTERVAL_S = 60.0
 
@@ -55,12 +59,13 @@ class LruEvictionFix(Fix):
         if self.mode == Mode.OFF:
             log.info("disabled by MMCACHE_FIX_MODE=off in %s; nothing patched", process_label())
             raise DidNotEnable("disabled by MMCACHE_FIX_MODE=off")
-        fixed_cache.add_repair_listener(self._on_repair)
 
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_FIX)
         registry.revert_patch(PATCH_OBSERVE)
-        fixed_cache.remove_repair_listener(self._on_repair)
+        fixed_cache = sys.modules.get(_CACHE_MODULE)
+        if fixed_cache is not None:
+            fixed_cache.remove_repair_listener(self._on_repair)
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -72,7 +77,7 @@ class LruEvictionFix(Fix):
             "exposure": self.exposure.as_dict() if self.exposure else None,
             "caches_built": self.caches_built,
             "caches_fixed": self.caches_fixed,
-            "repairs": fixed_cache.STATS.as_dict(),
+            "repairs": repair_totals(),
         }
 
     def _on_internal_error(self, where: str, exc: BaseException) -> None:
@@ -130,9 +135,12 @@ class LruEvictionFix(Fix):
     # -- called from vLLM's factory (guarded there) ----------------------------------
 
     def _fix_build(self, cache: Any, capacity_gb: float | None) -> Any:
+        from . import cache as fixed_cache
+
         with self.lock:
             self.caches_built += 1
             self._announce()
+        fixed_cache.add_repair_listener(self._on_repair)  # a no-op after the first cache
         reason = fixed_cache.check_compatible(cache)
         if reason is not None:
             self._warn_unprotected(f"cannot fix this cache: {reason}", capacity_gb)
@@ -167,7 +175,7 @@ class LruEvictionFix(Fix):
             may_log, held = self._repair_limiter.ready()
             if not may_log:
                 return
-            totals = ", ".join(f"{k}={v}" for k, v in fixed_cache.STATS.as_dict().items())
+            totals = ", ".join(f"{k}={v}" for k, v in repair_totals().items())
             log.warning(
                 "%s in %s: %s +%d (order and data had diverged; unpatched vLLM would stall "
                 "here, vllm#43941). Totals: %s%s",
@@ -178,6 +186,15 @@ class LruEvictionFix(Fix):
                 totals,
                 f"; {held} more repair events since the last line" if held else "",
             )
+
+
+def repair_totals() -> dict[str, int]:
+    """The repairs of every fixed cache in this process (none before the first cache)."""
+    fixed_cache = sys.modules.get(_CACHE_MODULE)
+    if fixed_cache is None:
+        return dict.fromkeys(REPAIR_KINDS, 0)
+    totals: dict[str, int] = fixed_cache.STATS.as_dict()
+    return totals
 
 
 def _all_watched_imported() -> bool:

@@ -30,6 +30,8 @@ CACHE_LABELS = ("role", "engine")
 REPAIR_GHOST = "ghost_key_dropped"
 REPAIR_ORPHAN = "orphan_restored"
 _REPAIR_LABELS = {"ghost_keys_dropped": REPAIR_GHOST, "orphans_restored": REPAIR_ORPHAN}
+REPAIR_KINDS = tuple(_REPAIR_LABELS)
+"""The repair counts of ``cache.STATS`` (``RepairStats``)."""
 
 _PACKAGE = __name__.rpartition(".")[0]
 
