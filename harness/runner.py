@@ -26,10 +26,10 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, is_dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from harness import procs, tiny_models
 from harness.lock import ServerLock
@@ -409,6 +409,33 @@ def add_server_options(parser: argparse.ArgumentParser, *, disable: bool = False
         "--lock-timeout", type=float, default=None, help="seconds to wait for the server lock"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON")
+
+
+OptionsT = TypeVar("OptionsT")
+
+OPTION_FLAGS = {"request_timeout": "timeout", "log_path": "log", "n_images": "images"}
+"""Options fields every program's command line spells shorter (``--timeout``, ``--log``,
+``--images``)."""
+
+
+def options_of(
+    cls: type[OptionsT],
+    args: argparse.Namespace,
+    flags: Mapping[str, str | None] | None = None,
+    **given: Any,
+) -> OptionsT:
+    """A program's options (a dataclass) from its parsed command line: each field takes the
+    option of its own name, or of its name in :data:`OPTION_FLAGS` and ``flags`` (None: not
+    from the command line), when the parser has one; ``given`` last; the rest keep their
+    defaults."""
+    names: dict[str, str | None] = {**OPTION_FLAGS, **(flags or {})}
+    parsed = vars(args)
+    values: dict[str, Any] = {}
+    for spec in fields(cls):  # type: ignore[arg-type]
+        option = names.get(spec.name, spec.name)
+        if spec.init and option is not None and option in parsed:
+            values[spec.name] = parsed[option]
+    return cls(**(values | given))
 
 
 def venv_of(args: argparse.Namespace, *, make: bool = False) -> Path:

@@ -336,15 +336,9 @@ class ConcurrentOptions:
     def from_args(cls, args: argparse.Namespace) -> ConcurrentOptions:
         """The options of :func:`main`'s command line that every run shares (with progress
         lines); each run sets its ``clients``, ``plan_name`` and ``key``."""
-        return cls(
-            requests=args.requests,
-            seed=args.seed,
-            plan_name=args.plan,
-            model_name=args.model,
-            request_timeout=args.timeout,
-            max_seconds=args.max_seconds,
-            stop_after_timeout=not args.keep_going,
-            progress=True,
+        flags = {"model_name": "model", "plan_name": "plan", "clients": None}
+        return runner.options_of(
+            cls, args, flags, stop_after_timeout=not args.keep_going, progress=True
         )
 
 

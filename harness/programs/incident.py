@@ -145,16 +145,7 @@ class IncidentOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> IncidentOptions:
         """The options of :func:`main`'s command line."""
-        return cls(
-            model_name=args.model_name,
-            modality=args.modality,
-            n_images=args.images,
-            request_timeout=args.timeout,
-            startup_timeout=args.startup_timeout,
-            log_path=args.log,
-            stop_after_hang=not args.keep_going,
-            disable_plugin=args.disable_plugin,
-        )
+        return runner.options_of(cls, args, stop_after_hang=not args.keep_going)
 
 
 def spec(

@@ -224,17 +224,12 @@ class SoakOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SoakOptions:
         """The options of :func:`main`'s command line (with progress lines)."""
-        return cls(
-            requests=args.requests,
-            seed=args.seed,
-            request_timeout=args.timeout,
-            startup_timeout=args.startup_timeout,
-            cpu_seconds=args.cpu_seconds,
-            log_path=args.log,
-            stop_after_timeout=not args.keep_going,
-            max_engine_cpu_percent=args.max_engine_cpu,
-            max_rss_growth_percent=args.max_rss_growth,
-            progress=True,
+        flags = {
+            "max_engine_cpu_percent": "max_engine_cpu",
+            "max_rss_growth_percent": "max_rss_growth",
+        }
+        return runner.options_of(
+            cls, args, flags, stop_after_timeout=not args.keep_going, progress=True
         )
 
 

@@ -50,6 +50,31 @@ def _count(key: str, metric: str) -> Count:
     return Count(key, read, metric, process_label="")
 
 
+def _companion(
+    patch_id: str,
+    targets: tuple[str, ...],
+    why: str,
+    *,
+    affected: str,
+    upstream: tuple[str, ...] = ("vllm-project/vllm#43941",),
+    removal: str = "with mm-drift-sender",
+) -> PatchSpec:
+    """A patch that serves the sender cache's (``mm-drift-sender``): found the same way, in the
+    same process, never in ``patches/``."""
+    return PatchSpec(
+        id=patch_id,
+        fix=FIX_ID,
+        runs_in="API server",
+        targets=targets,
+        why=why,
+        upstream=upstream,
+        affected=affected,
+        detection="feature detection (vllm_layout.DRIFT_TARGETS)",
+        removal=removal,
+        source_patches=False,
+    )
+
+
 DECLARATION = Declaration(
     fix_id=FIX_ID,
     build=_build,
@@ -85,57 +110,35 @@ DECLARATION = Declaration(
             "with an error",
             source_patches=False,
         ),
-        PatchSpec(
-            id="mm-drift-processor",
-            fix="mm-drift-guard",
-            runs_in="API server",
-            targets=(
+        _companion(
+            "mm-drift-processor",
+            (
                 "vllm.multimodal.processing.processor.BaseMultiModalProcessor",
                 "vllm.multimodal.processing.BaseMultiModalProcessor",
             ),
-            why=(
-                "Opens the per-request journal around _merge_mm_kwargs and keeps the inputs of "
-                "apply() so a drifted request can be processed again with its data."
-            ),
-            upstream=("vllm-project/vllm#43941",),
+            "Opens the per-request journal around _merge_mm_kwargs and keeps the inputs of "
+            "apply() so a drifted request can be processed again with its data.",
             affected="every release with _merge_mm_kwargs",
-            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
-            removal="with mm-drift-sender",
-            source_patches=False,
         ),
-        PatchSpec(
-            id="mm-drift-process_inputs",
-            fix="mm-drift-guard",
-            runs_in="API server",
-            targets=(
+        _companion(
+            "mm-drift-process_inputs",
+            (
                 "vllm.v1.engine.input_processor.InputProcessor.process_inputs",
                 "vllm.v1.engine.processor.Processor.process_inputs",
             ),
-            why=(
-                "The commit point: a request that becomes an EngineCoreRequest commits its "
-                "journal; one that raises here rolls it back."
-            ),
-            upstream=("vllm-project/vllm#43941",),
+            "The commit point: a request that becomes an EngineCoreRequest commits its "
+            "journal; one that raises here rolls it back.",
             affected="every release with the V1 input processor",
-            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
-            removal="with mm-drift-sender",
-            source_patches=False,
         ),
-        PatchSpec(
-            id="mm-drift-generate",
-            fix="mm-drift-guard",
-            runs_in="API server",
-            targets=("vllm.v1.engine.async_llm.AsyncLLM.generate",),
-            why=(
-                "Recovery: when the first output of a request that sent items without data is an "
-                "error with no tokens, drop its items from the shadow, process them again and "
-                "re-submit once, before anything reaches the client."
-            ),
-            upstream=("vllm-project/vllm#46747",),
+        _companion(
+            "mm-drift-generate",
+            ("vllm.v1.engine.async_llm.AsyncLLM.generate",),
+            "Recovery: when the first output of a request that sent items without data is an "
+            "error with no tokens, drop its items from the shadow, process them again and "
+            "re-submit once, before anything reaches the client.",
             affected="every release with AsyncLLM",
-            detection="feature detection (vllm_layout.DRIFT_TARGETS)",
+            upstream=("vllm-project/vllm#46747",),
             removal="when vLLM re-sends drifted items itself",
-            source_patches=False,
         ),
     ),
     counts=(

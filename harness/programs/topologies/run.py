@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import runner
 from harness.lock import ServerLock, default_timeout
 from harness.paths import log_path as new_log_path
 from harness.programs.topologies import environment
@@ -68,14 +69,7 @@ class RunOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
         """The options of the topologies command line."""
-        return cls(
-            quick=args.quick,
-            plugin_only=args.with_plugin_only,
-            n_images=args.images,
-            request_timeout=args.timeout,
-            pooling_requests=args.pooling_requests,
-            lock_timeout=args.lock_timeout,
-        )
+        return runner.options_of(cls, args, {"plugin_only": "with_plugin_only"})
 
 
 def run_case(
