@@ -45,7 +45,7 @@ def _count(key: str, metric: str) -> Count:
     def read(root: Root) -> int:
         guard = getattr(sys.modules.get(_PACKAGE), "GUARD", None)
         stats = getattr(getattr(guard, "state", None), "stats", None)
-        return 0 if stats is None else int(stats.as_dict()[key])
+        return 0 if stats is None else int(stats.get(key))
 
     return Count(key, read, metric, process_label="")
 

@@ -146,7 +146,7 @@ class PendingTable:
                 done.restored,
                 "y" if done.restored == 1 else "ies",
                 ", order restored" if done.moved else "",
-                stats.as_dict()["rollbacks"],
+                stats.get("rollbacks"),
                 f"; {held} more since the last line" if held else "",
             )
 

@@ -27,6 +27,9 @@ class DriftStats:
         """Unlocked increment for counters on the request path (may undercount under races)."""
         self._counts[name] += 1
 
+    def get(self, name: str) -> int:
+        return self._counts[name]
+
     def as_dict(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)

@@ -14,12 +14,8 @@ from ..core.signatures import SignatureMismatch
 from . import report
 from .factory import PATCH_FIX, PATCH_OBSERVE, wrap_factory
 from .locate import WATCHED_MODULES, LayoutNotFound, locate_lru_class, locate_mm_cache_factory
-from .owns import REPAIR_KINDS
+from .owns import repair_totals
 from .probe import Exposure, probe
-
-_CACHE_MODULE = f"{__name__.rpartition('.')[0]}.cache"
-"""The fixed class and its repair counts: imported when vLLM builds its first cache (a worker
-never builds one)."""
 
 REPAIR_LOG_INTERVAL_S = 60.0
 
@@ -63,7 +59,7 @@ class LruEvictionFix(Fix):
     def _uninstall(self) -> None:
         registry.revert_patch(PATCH_FIX)
         registry.revert_patch(PATCH_OBSERVE)
-        fixed_cache = sys.modules.get(_CACHE_MODULE)
+        fixed_cache = sys.modules.get(f"{__package__}.cache")  # imported with the first cache
         if fixed_cache is not None:
             fixed_cache.remove_repair_listener(self._on_repair)
 
@@ -186,15 +182,6 @@ class LruEvictionFix(Fix):
                 totals,
                 f"; {held} more repair events since the last line" if held else "",
             )
-
-
-def repair_totals() -> dict[str, int]:
-    """The repairs of every fixed cache in this process (none before the first cache)."""
-    fixed_cache = sys.modules.get(_CACHE_MODULE)
-    if fixed_cache is None:
-        return dict.fromkeys(REPAIR_KINDS, 0)
-    totals: dict[str, int] = fixed_cache.STATS.as_dict()
-    return totals
 
 
 def _all_watched_imported() -> bool:

@@ -46,11 +46,19 @@ def _protected(root: Root) -> int:
     return int(bool(getattr(root.built(FIX_ID), "installed", False)))
 
 
+def repair_totals() -> dict[str, int]:
+    """The repairs of every fixed cache in this process; imports nothing (the cache module
+    comes with the first cache vLLM builds, and one not imported has repaired nothing)."""
+    stats = getattr(sys.modules.get(f"{_PACKAGE}.cache"), "STATS", None)
+    if stats is None:
+        return dict.fromkeys(REPAIR_KINDS, 0)
+    totals: dict[str, int] = stats.as_dict()
+    return totals
+
+
 def _repairs(key: str) -> Count:
     def read(root: Root) -> int:
-        # A cache module not imported has repaired nothing.
-        stats = getattr(sys.modules.get(f"{_PACKAGE}.cache"), "STATS", None)
-        return 0 if stats is None else int(stats.as_dict()[key])
+        return int(repair_totals()[key])
 
     return Count(key, read, CACHE_REPAIRS, (("repair", _REPAIR_LABELS[key]),))
 
