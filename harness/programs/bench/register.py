@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.python
         else {v: str(venv_python(venv_dir(v))) for v in args.versions}
     )
-    report: dict[str, Any] = {"runs": args.runs, "ref": args.ref, "versions": {}}
+    from harness import commits
+
+    report: dict[str, Any] = {
+        "plugin_commit": commits.stamp(),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "runs": args.runs,
+        "ref": args.ref,
+        "versions": {},
+    }
     with tempfile.TemporaryDirectory(prefix="mmcache-fix-bench-register-") as tmp:
         trees = {"worktree": _package_at(None, Path(tmp) / "worktree")}
         if args.ref:
