@@ -35,10 +35,11 @@ import tempfile
 import threading
 import time
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.paths import cache_root
 from vllm_mmcache_fix import vllm_layout as lay
@@ -231,6 +232,8 @@ def _safe_member(name: str) -> bool:
 
 
 def _extract(wheel: Path, target: Path, select: re.Pattern[str] | None) -> list[str]:
+    """The wheel's files that ``select`` matches (every file without it), extracted under
+    ``target``; none is an error."""
     extracted: list[str] = []
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
@@ -244,7 +247,28 @@ def _extract(wheel: Path, target: Path, select: re.Pattern[str] | None) -> list[
             with zf.open(info) as src, out.open("wb") as dst:
                 shutil.copyfileobj(src, dst)
             extracted.append(name)
+    if not extracted:
+        raise RuntimeError(f"no matching files in {wheel.name}")
     return sorted(extracted)
+
+
+def publish(
+    staged: Path,
+    final_dir: Path,
+    marker_name: str,
+    marker: dict[str, Any],
+    complete: Callable[[Path], bool],
+) -> None:
+    """Move a staged extraction into place, its marker written last: a directory with a
+    marker is whole. When another process put a whole copy there first (``complete``), its
+    copy is kept."""
+    (staged / marker_name).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    try:
+        staged.rename(final_dir)
+    except OSError:
+        if not complete(final_dir):
+            raise
 
 
 def _fetch(
@@ -266,8 +290,6 @@ def _fetch(
         size = wheel.stat().st_size
         staged = work / "tree"
         files = _extract(wheel, staged, select)
-        if not files:
-            raise RuntimeError(f"no matching files in {wheel.name}")
         marker = {
             "package": name,
             "version": version,
@@ -277,16 +299,8 @@ def _fetch(
             "wheel_size": size,
             "files": files,
         }
-        (staged / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         wheel.unlink()
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        try:
-            staged.rename(final_dir)
-        except OSError:
-            # Another process finished the same release first; keep its copy.
-            if not is_complete(final_dir, layout):
-                raise
+        publish(staged, final_dir, MARKER, marker, lambda d: is_complete(d, layout))
         seconds = time.monotonic() - start
         detail = f"{wheel.name} ({size / 1e6:.0f} MB) -> {len(files)} files"
         return FetchResult(name, version, final_dir, False, True, seconds, detail)

@@ -368,6 +368,27 @@ def _injected_stall(
     return out, results
 
 
+def _one_request_stall(
+    url: str,
+    trigger_dir: Path,
+    name: str,
+    payload: dict[str, object],
+    request_timeout: float,
+    join_s: float,
+    length_key: str,
+) -> dict[str, Any]:
+    """:func:`_injected_stall` with one chat request (``payload``); its status under
+    ``request``."""
+
+    def send() -> int | None:
+        return http_post(url + "/v1/chat/completions", payload, request_timeout).status
+
+    out, got = _injected_stall(url, trigger_dir, name, [send], join_s, length_key)
+    if got:
+        out["request"] = got[0]
+    return out
+
+
 def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     """The scheduler schedules nothing while a request waits (the zero-token livelock: the
     busy loop turns, every ping is answered): 503 within the progress timeout plus the
@@ -376,14 +397,7 @@ def phase_livelock(url: str, trigger_dir: Path) -> dict[str, Any]:
     progress, and an image's processing in the API server (about a second on a loaded
     2-core host) would come before the engine sees the request."""
     payload = chat_payload("Describe a red square.", None, 2)
-
-    def send() -> int | None:
-        return http_post(url + "/v1/chat/completions", payload, 180).status
-
-    out, got = _injected_stall(url, trigger_dir, inject.LIVELOCK, [send], 120, "livelock_s")
-    if got:
-        out["request"] = got[0]
-    return out
+    return _one_request_stall(url, trigger_dir, inject.LIVELOCK, payload, 180, 120, "livelock_s")
 
 
 def phase_input_stuck(url: str, trigger_dir: Path) -> dict[str, Any]:
@@ -437,14 +451,7 @@ def phase_preempt(url: str, trigger_dir: Path) -> dict[str, Any]:
     colours = ("red", "cat", "sun", "tree", "blue")
     words = " ".join(colours[i % 5] for i in range(PREEMPT_PROMPT_WORDS))
     payload = chat_payload(words, None, 2)
-
-    def send() -> int | None:
-        return http_post(url + "/v1/chat/completions", payload, 300).status
-
-    out, got = _injected_stall(url, trigger_dir, inject.PREEMPT, [send], 300, "preempting_s")
-    if got:
-        out["request"] = got[0]
-    return out
+    return _one_request_stall(url, trigger_dir, inject.PREEMPT, payload, 300, 300, "preempting_s")
 
 
 def _finish_reason(body: str) -> str | None:

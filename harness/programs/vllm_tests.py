@@ -66,7 +66,7 @@ from typing import Any
 
 from harness.installer import install_command
 from harness.paths import REPO_ROOT, cache_root
-from harness.sources import file_sha256
+from harness.sources import file_sha256, publish
 from harness.venvs import VenvMissing, complete_venv, e2e_versions, venv_python
 
 MODES: tuple[str, ...] = ("vllm", "plugin")
@@ -454,7 +454,8 @@ def download_sdist(version: str, python: Path, dest: Path) -> Path:
 
 
 def extract_tests(sdist: Path, target: Path) -> list[str]:
-    """Extract the sdist's ``tests/**/*.py`` and ``pyproject.toml`` into ``target``."""
+    """Extract the sdist's ``tests/**/*.py`` and ``pyproject.toml`` into ``target``; an sdist
+    without tests is an error."""
     names: list[str] = []
     with tarfile.open(sdist, "r:gz") as tf:
         for member in tf:
@@ -472,6 +473,8 @@ def extract_tests(sdist: Path, target: Path) -> list[str]:
             with source, out.open("wb") as dst:
                 shutil.copyfileobj(source, dst)
             names.append(rel.as_posix())
+    if not any(name.startswith("tests/") for name in names):
+        raise RuntimeError(f"{sdist.name} has no tests/ directory")
     return sorted(names)
 
 
@@ -489,8 +492,6 @@ def fetch_tests(version: str, python: Path | None = None) -> Path:
         sdist = download_sdist(version, python, work / "download")
         tree = work / "tree"
         files = extract_tests(sdist, tree)
-        if not any(f.startswith("tests/") for f in files):
-            raise RuntimeError(f"{sdist.name} has no tests/ directory")
         marker = {
             "schema": TESTS_MARKER_SCHEMA,
             "version": version,
@@ -501,9 +502,7 @@ def fetch_tests(version: str, python: Path | None = None) -> Path:
             "files": len(files),
             "seconds": round(time.monotonic() - started, 1),
         }
-        (tree / TESTS_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-        shutil.rmtree(target, ignore_errors=True)
-        tree.rename(target)
+        publish(tree, target, TESTS_MARKER, marker, lambda _: tests_complete(version))
         _log(f"vLLM {version}: {len(files)} test files from {sdist.name} in {target}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

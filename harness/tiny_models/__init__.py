@@ -23,21 +23,16 @@ from types import ModuleType
 from harness.paths import REPO_ROOT
 
 DEFAULT = "qwen2-vl"
-MODELS: dict[str, str] = {
-    "qwen2-vl": "harness.tiny_models.qwen2_vl",
-    "qwen2.5-vl": "harness.tiny_models.qwen2_5_vl",
-    "qwen3-vl": "harness.tiny_models.qwen3_vl",
-    "qwen3-vl-moe": "harness.tiny_models.qwen3_vl_moe",
-}
-# Models whose tiny directory serves video requests too (``video_url`` items).
-VIDEO_MODELS: frozenset[str] = frozenset(MODELS)
-# The oldest vLLM release that serves each model (Qwen3-VL came with 0.11).
-MIN_VLLM: dict[str, tuple[int, ...]] = {
+MODELS: dict[str, tuple[int, ...]] = {
     "qwen2-vl": (0,),
     "qwen2.5-vl": (0,),
-    "qwen3-vl": (0, 11),
+    "qwen3-vl": (0, 11),  # Qwen3-VL came with vLLM 0.11
     "qwen3-vl-moe": (0, 11),
 }
+"""The known models, each with the oldest vLLM release that serves it. A model's module is
+its name with ``_`` for ``-`` and ``.`` (``qwen2.5-vl``: ``qwen2_5_vl``)."""
+# Models whose tiny directory serves video requests too (``video_url`` items).
+VIDEO_MODELS: frozenset[str] = frozenset(MODELS)
 
 
 def names() -> list[str]:
@@ -56,14 +51,13 @@ def supports_version(name: str, vllm_version: str) -> bool:
     for piece in vllm_version.split("+")[0].split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits or 0))
-    return tuple(parts) >= MIN_VLLM[name]
+    return tuple(parts) >= MODELS[name]
 
 
 def model_module(name: str = DEFAULT) -> ModuleType:
-    try:
-        return importlib.import_module(MODELS[name])
-    except KeyError:
-        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(MODELS)}") from None
+    if name not in MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(MODELS)}")
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_').replace('.', '_')}")
 
 
 def default_out(name: str = DEFAULT) -> Path:

@@ -123,30 +123,38 @@ def p1_request(cache: Any, keys: Sequence[str], values: Sequence[bytes]) -> None
 # --------------------------------------------------------------------------- worker
 
 
+COUNTS = (
+    "trials",
+    "froze_during",  # a thread still running at the deadline
+    "froze_next_eviction",  # the full eviction after the trial did not return
+    "desync_trials",  # the order and the data disagree after the trial
+    "order_only_trials",
+    "data_only_trials",
+    "drift_trials",  # currsize is not the sum of the entries' sizes
+    "repaired_by_next_eviction",
+    "desync_after_next_eviction",
+    "exception_trials",
+)
+"""What a probe counts, in the order of its results."""
+
+
 @dataclass
 class Totals:
-    trials: int = 0
-    froze_during: int = 0
-    froze_next_eviction: int = 0
-    desync_trials: int = 0
-    order_only_trials: int = 0
-    data_only_trials: int = 0
-    drift_trials: int = 0
-    repaired_by_next_eviction: int = 0
-    desync_after_next_eviction: int = 0
-    exception_trials: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
     exceptions: Counter[str] = field(default_factory=Counter)
+    """Exception names raised in the trials' threads."""
     next_eviction_errors: Counter[str] = field(default_factory=Counter)
 
+    def bump(self, name: str, by: int = 1) -> None:
+        self.counts[name] += by
+
     def merge(self, other: dict[str, Any]) -> None:
-        for name, value in other.items():
-            if isinstance(value, dict):
-                getattr(self, name).update(value)
-            else:
-                setattr(self, name, getattr(self, name) + value)
+        self.counts.update({name: other[name] for name in COUNTS})
+        self.exceptions.update(other["exceptions"])
+        self.next_eviction_errors.update(other["next_eviction_errors"])
 
     def as_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
+        out: dict[str, Any] = {name: self.counts[name] for name in COUNTS}
         out["exceptions"] = dict(self.exceptions)
         out["next_eviction_errors"] = dict(self.next_eviction_errors)
         return out
@@ -203,19 +211,19 @@ def run_trial(cls: type, seed: int, iters: int, clears: int, totals: Totals) -> 
             t.join(max(0.0, deadline - time.monotonic()))
     finally:
         sys.setswitchinterval(old)
-    totals.trials += 1
+    totals.bump("trials")
     if any(t.is_alive() for t in threads):
-        totals.froze_during += 1
+        totals.bump("froze_during")
         return False
     if errors:
-        totals.exception_trials += 1
+        totals.bump("exception_trials")
         totals.exceptions.update(errors)
     order_only, data_only, drift = _state(cache)
     if order_only or data_only:
-        totals.desync_trials += 1
-    totals.order_only_trials += bool(order_only)
-    totals.data_only_trials += bool(data_only)
-    totals.drift_trials += drift != 0
+        totals.bump("desync_trials")
+    totals.bump("order_only_trials", bool(order_only))
+    totals.bump("data_only_trials", bool(data_only))
+    totals.bump("drift_trials", drift != 0)
 
     # One more full eviction, alone: freezes the unpatched class on a leftover
     # order-only key, repairs the fixed one.
@@ -231,15 +239,15 @@ def run_trial(cls: type, seed: int, iters: int, clears: int, totals: Totals) -> 
     t.start()
     t.join(FREEZE_SECONDS)
     if t.is_alive():
-        totals.froze_next_eviction += 1
+        totals.bump("froze_next_eviction")
         return False
     if "error" in outcome:
         totals.next_eviction_errors[outcome["error"]] += 1
     order_only, data_only, _ = _state(cache)
     if order_only or data_only:
-        totals.desync_after_next_eviction += 1
+        totals.bump("desync_after_next_eviction")
     else:
-        totals.repaired_by_next_eviction += 1
+        totals.bump("repaired_by_next_eviction")
     return True
 
 
