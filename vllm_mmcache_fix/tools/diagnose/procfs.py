@@ -111,8 +111,11 @@ class _ThreadSample:
     tid: int
     comm: str
     state: str
+    """The state letter of ``stat`` (``R`` running, ``S`` sleeping, ...)."""
     ticks: int
+    """User plus system CPU time, in clock ticks."""
     voluntary: int
+    """Context switches the thread asked for (it blocked), from ``status``."""
     nonvoluntary: int
     syscall: str | None = None
     wchan: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,12 +22,22 @@ from .rules import (
 
 
 def _plain(record: Any) -> dict[str, Any]:
-    """A record's fields in their order, floats rounded to 3 places."""
-    out: dict[str, Any] = {}
-    for spec in fields(record):
-        value = getattr(record, spec.name)
-        out[spec.name] = round(value, 3) if isinstance(value, float) else value
-    return out
+    """A record's fields in their order, as JSON takes them (:func:`_json_value`)."""
+    return {spec.name: _json_value(getattr(record, spec.name)) for spec in fields(record)}
+
+
+def _json_value(value: Any) -> Any:
+    """Floats rounded to 3 places, enums by value, records by their ``as_dict``, lists item
+    by item."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_json_value(item) for item in value]
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    return value
 
 
 @dataclass
@@ -110,20 +121,7 @@ class ProcessReport:
     ``DPCoordinator`` or ``other`` (rules.PROCESS_KINDS)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "input_thread_gone": self.input_thread_gone,
-            "ppid": self.ppid,
-            "role": self.role,
-            "kind": self.kind,
-            "comm": self.comm,
-            "cmdline": self.cmdline,
-            "classification": self.classification.value,
-            "reason": self.reason,
-            "cpu_fraction": round(self.cpu_fraction, 3),
-            "stack_check": None if self.stack_check is None else self.stack_check.as_dict(),
-            "threads": [t.as_dict() for t in self.threads],
-        }
+        return _plain(self)
 
 
 @dataclass
@@ -148,29 +146,17 @@ class Diagnosis:
         return exit_code(self)
 
     def as_dict(self) -> dict[str, Any]:
-        return exits.envelope(
-            "diagnose",
-            self.classification.value,
-            {
-                "pid": self.pid,
-                "interval": round(self.interval, 3),
-                "summary": self.summary,
-                "remedy": self.remedy,
-                "py_spy": self.py_spy,
-                "notes": list(self.notes),
-                "left_out": list(self.left_out),
-                "fair_share": None if self.fair_share is None else round(self.fair_share, 3),
-                "thresholds": {
-                    "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
-                    "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
-                    "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
-                    "spin_min_fair_share": SPIN_MIN_FAIR_SHARE,
-                    "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
-                    "blocked_states": "".join(sorted(BLOCKED_STATES)),
-                },
-                "processes": [p.as_dict() for p in self.processes],
-            },
-        )
+        data = _plain(self)
+        del data["classification"]  # the envelope's verdict
+        data["thresholds"] = {
+            "spin_min_cpu_fraction": SPIN_MIN_CPU_FRACTION,
+            "spin_min_runnable_fraction": SPIN_MIN_RUNNABLE_FRACTION,
+            "spin_max_voluntary_per_sec": SPIN_MAX_VOLUNTARY_PER_SEC,
+            "spin_min_fair_share": SPIN_MIN_FAIR_SHARE,
+            "idle_max_cpu_fraction": IDLE_MAX_CPU_FRACTION,
+            "blocked_states": "".join(sorted(BLOCKED_STATES)),
+        }
+        return exits.envelope("diagnose", self.classification.value, data)
 
 
 def exit_code(d: Diagnosis) -> int:

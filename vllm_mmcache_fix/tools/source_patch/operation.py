@@ -57,10 +57,14 @@ class Outcome:
     message: str
     root: Path | None = None
     version: str | None = None
+    """The installed vLLM's version, as read (or given by ``--vllm-version``)."""
     release: str | None = None
+    """The release the version builds on (``0.23.0+cpu`` and ``0.23.0rc1``: ``0.23.0``)."""
     target: str | None = None
+    """The file the patch changes, relative to ``root``."""
     patch_file: str | None = None
     state: str | None = None
+    """``unpatched`` or ``applied``: what the file was found to be."""
     symlink_to: str | None = None
     """Where the target's symlink points, when it is reached through one."""
     details: list[str] = field(default_factory=list)
