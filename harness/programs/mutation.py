@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -77,6 +78,7 @@ TARGETS: tuple[Target, ...] = (
         "vllm_mmcache_fix/lru_eviction/cache.py",
         (  # quickest killers first: -x stops at the first failure
             "tests/realsrc/test_upgrade_in_place.py",
+            "tests/realsrc/test_repair_waits.py",
             "tests/realsrc/test_plugin.py",
             "tests/realsrc/test_fix_on_releases.py",
             "tests/realsrc/test_races.py",
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    # Stopped by a signal, the run still stops its mutants and merges its shards.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     commit = args.commit or commits.head()
     previous = full_commit(args.survivors_of) if args.survivors_of else None
     targets = [t for t in TARGETS if t.path in args.files]

@@ -1,0 +1,120 @@
+"""What a repair waits for, and what ``touch`` counts, on the real vLLM ``LRUCache``.
+
+Before a repair (order and data apart) the fixed class lets threads that are inside
+cachetools' own code on the same cache finish: they may be between the two steps of an
+insert or a delete. It waits for other threads only, never for the repairing thread's own
+call into cachetools, and at most about 0.1 s: a thread that stays inside (a slow
+``getsizeof``) does not hold vLLM up for longer. The waits are read from ``time.sleep``
+(recorded, not slept), so nothing here depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from harness import realsrc
+from vllm_mmcache_fix.catalogue import NEWEST_SOURCES_CHECKED as NEWEST
+from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
+
+# One release whose own touch adds missing keys to the order, one whose touch does not.
+VERSIONS = ("0.23.0", NEWEST)
+WAIT_BOUND_S = 0.2
+"""The docstring's "at most about 0.1 s", with room."""
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """What this thread asks ``time.sleep`` for, instead of sleeping."""
+    asked: list[float] = []
+    me = threading.get_ident()
+    real = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.get_ident() != me:
+            real(seconds)
+            return
+        asked.append(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    yield asked
+
+
+def _fixed(version: str, getsizeof: Any = len) -> Any:
+    cls = fixed_cache.fixed_lru_class(realsrc.load_lru_module(version).LRUCache)
+    return cls(4, getsizeof=getsizeof)
+
+
+def _ghost_in_front(cache: Any) -> None:
+    order = cache._LRUCache__order
+    order["ghost"] = None
+    order.move_to_end("ghost", last=False)
+
+
+def _in_step(cache: Any) -> bool:
+    return list(cache._LRUCache__order) == list(cache._Cache__data)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_repair_does_not_wait_for_its_own_thread(version: str, sleeps: list[float]) -> None:
+    """The eviction that meets the ghost runs inside cachetools' ``__setitem__`` in this
+    very thread: that call is not another thread mid-insert."""
+    cache = _fixed(version)
+    for key in "abc":
+        cache[key] = "x"
+    _ghost_in_front(cache)
+    before = fixed_cache.STATS.ghost_keys_dropped
+    cache["d"] = "xx"  # evicts: the ghost first
+    assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+    assert sleeps == []
+    assert _in_step(cache) and "ghost" not in cache._LRUCache__order
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_thread_that_stays_in_cachetools_holds_a_repair_up_briefly(
+    version: str, sleeps: list[float]
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def getsizeof(value: str) -> int:
+        if value == "slow":
+            entered.set()
+            release.wait(30)
+        return len(value)
+
+    cache = _fixed(version, getsizeof)
+    cache["a"] = "x"
+    cache["b"] = "x"
+    inserting = threading.Thread(target=cache.__setitem__, args=("s", "slow"), daemon=True)
+    inserting.start()
+    try:
+        assert entered.wait(10), "the insert never reached getsizeof"
+        _ghost_in_front(cache)
+        before = fixed_cache.STATS.ghost_keys_dropped
+        cache["d"] = "xxx"  # evicts while the other thread is inside cachetools
+        assert sleeps, "the repair did not wait for the thread inside cachetools"
+        assert sum(sleeps) <= WAIT_BOUND_S, f"waited {sum(sleeps):.3f} s in {len(sleeps)} sleeps"
+        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+    finally:
+        release.set()
+        inserting.join(10)
+    assert not inserting.is_alive()
+    assert _in_step(cache)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_touch_gives_a_key_without_an_order_entry_one_and_counts_it_once(version: str) -> None:
+    cache = _fixed(version)
+    for key in "abc":
+        cache[key] = "x"
+    del cache._LRUCache__order["a"]
+    before = fixed_cache.STATS.orphans_restored
+    cache.touch("a")
+    assert fixed_cache.STATS.orphans_restored == before + 1
+    assert list(cache._LRUCache__order) == ["b", "c", "a"]  # the most recent
+    cache.touch("a")  # in step again: nothing more to restore
+    assert fixed_cache.STATS.orphans_restored == before + 1
