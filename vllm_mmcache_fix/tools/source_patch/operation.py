@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import exits
 from .diff import apply_unified_diff
@@ -40,6 +40,18 @@ from .tree import (
     release_of,
     sha256_file,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class PatchOptions(TypedDict, total=False):
+        """The keyword options of :func:`apply` that :func:`revert` takes too."""
+
+        patches_dir: Path | None
+        version: str | None
+        tool: str
+        follow_symlinks: bool
+
 
 LOCK_TIMEOUT_S = 120.0
 """How long a run waits for another run on the same tree before giving up."""
@@ -274,17 +286,10 @@ def apply(
     return _change(root, patches_dir, version, tool, follow_symlinks, reverse=reverse)
 
 
-def revert(
-    root: Path | None = None,
-    *,
-    patches_dir: Path | None = None,
-    version: str | None = None,
-    tool: str = "auto",
-    follow_symlinks: bool = False,
-) -> Outcome:
+def revert(root: Path | None = None, **options: Unpack[PatchOptions]) -> Outcome:
     """Undo the patch (no-op when the tree is unpatched): :func:`apply` with ``reverse``.
-    The options are spelled out so that a misspelt one fails type checking."""
-    return _change(root, patches_dir, version, tool, follow_symlinks, reverse=True)
+    The options are :func:`apply`'s (a misspelt one fails type checking)."""
+    return apply(root, reverse=True, **options)
 
 
 def _where(resolved: _Resolved) -> str:
