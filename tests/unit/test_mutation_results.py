@@ -59,8 +59,8 @@ def test_the_committed_baseline_is_consistent() -> None:
         assert all(len(why) > 15 for why in whys.values()), path
 
 
-def _session(path: Any, jobs: int, done: int) -> list[str]:
-    ids = [f"job{n:02d}" for n in range(jobs)]
+def _session(path: Any, items: int, done: int) -> list[str]:
+    ids = [f"job{n:02d}" for n in range(items)]
     with sqlite3.connect(path) as db:
         db.execute("CREATE TABLE work_items (job_id VARCHAR NOT NULL, PRIMARY KEY (job_id))")
         db.execute(
