@@ -195,3 +195,33 @@ def test_two_threads_are_counted_and_never_hang(outcomes: dict, case) -> None:
     assert threaded["hits"] + threaded["misses"] >= 0.9 * threaded["lookups"]
     assert threaded["evictions"] > 0
     assert len(threaded["errors"]) < 600, threaded["errors"][:5]
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.34.0"])
+def test_only_an_item_too_large_counts_as_too_large(version: str) -> None:
+    """cachetools refuses an item larger than the cache with ``ValueError('value too
+    large')``; any other error of the insert (here, of ``getsizeof``) is not that."""
+    from vllm_mmcache_fix.lru_eviction import stats
+    from vllm_mmcache_fix.lru_eviction.cache import fixed_lru_class
+
+    def getsizeof(value: str) -> int:
+        if value == "unsized":
+            raise ValueError("cannot size this value")
+        return len(value)
+
+    cache = fixed_lru_class(realsrc.load_lru_module(version).LRUCache)(4, getsizeof=getsizeof)
+    cache._mmfix_stats = counts = stats.CacheStats()
+    with pytest.raises(ValueError, match="cannot size"):
+        cache["a"] = "unsized"
+    assert counts.too_large == 0
+    with pytest.raises(ValueError, match="value too large"):
+        cache["b"] = "xxxxx"
+    assert counts.too_large == 1
+
+
+def test_repair_counts_compare_by_value() -> None:
+    from vllm_mmcache_fix.lru_eviction.cache import RepairStats
+
+    assert RepairStats(1, 2) == RepairStats(1, 2)
+    assert RepairStats(1, 2) != RepairStats(2, 1)
+    assert RepairStats() != (0, 0)

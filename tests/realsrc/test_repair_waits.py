@@ -10,6 +10,7 @@ call into cachetools, and at most about 0.1 s: a thread that stays inside (a slo
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -118,3 +119,56 @@ def test_touch_gives_a_key_without_an_order_entry_one_and_counts_it_once(version
     assert list(cache._LRUCache__order) == ["b", "c", "a"]  # the most recent
     cache.touch("a")  # in step again: nothing more to restore
     assert fixed_cache.STATS.orphans_restored == before + 1
+
+
+@pytest.mark.parametrize("where", ["vllm", "abc"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_thread_paused_outside_cachetools_own_code_is_not_waited_for(
+    version: str, where: str, sleeps: list[float]
+) -> None:
+    """A thread at the start of vLLM's own ``stat`` or of ``MutableMapping.update`` on the
+    cache has not begun an insert: the repair does not wait for it."""
+    import collections.abc
+
+    paused, go = threading.Event(), threading.Event()
+    cache = _fixed(version)
+    for key in "abc":
+        cache[key] = "x"
+    if where == "vllm":
+        code = realsrc.load_lru_module(version).LRUCache.stat.__code__
+
+        def call() -> None:
+            cache.stat()
+    else:
+        code = collections.abc.MutableMapping.update.__code__
+
+        def call() -> None:
+            cache.update({"e": "x"})
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is code:
+            paused.set()
+            go.wait(30)
+        return None
+
+    def paused_call() -> None:
+        sys.settrace(tracer)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=paused_call, daemon=True)
+    thread.start()
+    try:
+        assert paused.wait(10), f"the {where} call never started"
+        _ghost_in_front(cache)
+        before = fixed_cache.STATS.ghost_keys_dropped
+        cache["d"] = "xx"
+        assert sleeps == []
+        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+    finally:
+        go.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert _in_step(cache)
