@@ -219,9 +219,10 @@ def test_only_an_item_too_large_counts_as_too_large(version: str) -> None:
     assert counts.too_large == 1
 
 
-def test_repair_counts_compare_by_value() -> None:
+def test_repair_counts_add_up_and_compare_by_value() -> None:
     from vllm_mmcache_fix.lru_eviction.cache import RepairStats
 
+    assert RepairStats(2, 3).total() == 5
     assert RepairStats(1, 2) == RepairStats(1, 2)
     assert RepairStats(1, 2) != RepairStats(2, 1)
     assert RepairStats() != (0, 0)

@@ -64,14 +64,19 @@ def _in_step(cache: Any) -> bool:
 def test_a_repair_does_not_wait_for_its_own_thread(version: str, sleeps: list[float]) -> None:
     """The eviction that meets the ghost runs inside cachetools' ``__setitem__`` in this
     very thread: that call is not another thread mid-insert."""
+    from vllm_mmcache_fix.lru_eviction import stats
+
     cache = _fixed(version)
     for key in "abc":
         cache[key] = "x"
     _ghost_in_front(cache)
+    cache._mmfix_stats = counts = stats.CacheStats()
     before = fixed_cache.STATS.ghost_keys_dropped
     cache["d"] = "xx"  # evicts: the ghost first
     assert fixed_cache.STATS.ghost_keys_dropped == before + 1
     assert sleeps == []
+    # The ghost dropped is no eviction; the item evicted after the repair is one.
+    assert counts.evictions == 1 and "a" not in cache
     assert _in_step(cache) and "ghost" not in cache._LRUCache__order
 
 
