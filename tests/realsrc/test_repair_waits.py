@@ -177,3 +177,22 @@ def test_a_thread_paused_outside_cachetools_own_code_is_not_waited_for(
         thread.join(10)
     assert not thread.is_alive()
     assert _in_step(cache)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_base_whose_touch_cannot_be_probed_still_gets_the_fixed_class(version: str) -> None:
+    """Whether vLLM's own ``touch`` adds missing keys is probed once per class; a probe
+    that raises means "cannot be told": the class is fixed, with the plain fixed touch."""
+    base = realsrc.load_lru_module(version).LRUCache
+
+    class Odd(base):  # type: ignore[misc, valid-type]
+        def touch(self, key: Any) -> None:
+            raise RuntimeError("touch is not callable on this cache")
+
+    cls = fixed_cache.fixed_lru_class(Odd)
+    assert fixed_cache.is_fixed(cls) and cls.touch is fixed_cache.FixedLRUMixin.touch
+    cache = cls(4, getsizeof=len)
+    cache["a"] = "x"
+    cache.touch("a")
+    cache.touch("missing")  # adds nothing
+    assert list(cache._LRUCache__order) == ["a"] and _in_step(cache)
