@@ -30,15 +30,11 @@ WAIT_BOUND_S = 0.2
 
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """What this thread asks ``time.sleep`` for, instead of sleeping."""
+    """What the test's threads ask ``time.sleep`` for, instead of sleeping (no other code
+    of these tests sleeps: the paused threads wait on events)."""
     asked: list[float] = []
-    me = threading.get_ident()
-    real = time.sleep
 
     def sleep(seconds: float) -> None:
-        if threading.get_ident() != me:
-            real(seconds)
-            return
         asked.append(seconds)
 
     monkeypatch.setattr(time, "sleep", sleep)
@@ -80,10 +76,32 @@ def test_a_repair_does_not_wait_for_its_own_thread(version: str, sleeps: list[fl
     assert _in_step(cache) and "ghost" not in cache._LRUCache__order
 
 
+def _in_thread(func: Any) -> None:
+    """``func()`` in a thread started now, re-raising what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            func()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("repairing", ["main thread", "a thread started later"])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_thread_that_stays_in_cachetools_holds_a_repair_up_briefly(
-    version: str, sleeps: list[float]
+    version: str, repairing: str, sleeps: list[float]
 ) -> None:
+    """Thread identities are compared for equality only: the repair waits for the thread
+    inside cachetools whether its identity is above or below the repairing thread's (a
+    thread started later usually gets a lower one)."""
     entered, release = threading.Event(), threading.Event()
 
     def getsizeof(value: str) -> int:
@@ -101,7 +119,14 @@ def test_a_thread_that_stays_in_cachetools_holds_a_repair_up_briefly(
         assert entered.wait(10), "the insert never reached getsizeof"
         _ghost_in_front(cache)
         before = fixed_cache.STATS.ghost_keys_dropped
-        cache["d"] = "xxx"  # evicts while the other thread is inside cachetools
+
+        def evict() -> None:
+            cache["d"] = "xxx"  # evicts while the other thread is inside cachetools
+
+        if repairing == "main thread":
+            evict()
+        else:
+            _in_thread(evict)
         assert sleeps, "the repair did not wait for the thread inside cachetools"
         assert sum(sleeps) <= WAIT_BOUND_S, f"waited {sum(sleeps):.3f} s in {len(sleeps)} sleeps"
         assert fixed_cache.STATS.ghost_keys_dropped == before + 1
@@ -110,6 +135,53 @@ def test_a_thread_that_stays_in_cachetools_holds_a_repair_up_briefly(
         inserting.join(10)
     assert not inserting.is_alive()
     assert _in_step(cache)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_thread_inside_another_cache_with_the_same_items_is_not_waited_for(
+    version: str, sleeps: list[float]
+) -> None:
+    """The thread to wait for is one inside cachetools on this very cache (identity): an
+    equal cache (the same items) is another cache."""
+    entered, release = threading.Event(), threading.Event()
+
+    def getsizeof(value: str) -> int:
+        if value == "slow":
+            entered.set()
+            release.wait(30)
+        return len(value)
+
+    cache, other = _fixed(version), _fixed(version, getsizeof)
+    for key in "abc":
+        cache[key] = other[key] = "x"
+    inserting = threading.Thread(target=other.__setitem__, args=("s", "slow"), daemon=True)
+    inserting.start()
+    try:
+        assert entered.wait(10), "the insert never reached getsizeof"
+        assert dict(cache.items()) == dict(other.items())
+        _ghost_in_front(cache)
+        before = fixed_cache.STATS.ghost_keys_dropped
+        cache["d"] = "xx"
+        assert sleeps == []
+        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+    finally:
+        release.set()
+        inserting.join(10)
+    assert _in_step(cache)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_cache_whose_order_cannot_pop_is_refused(version: str) -> None:
+    cache = _fixed(version)
+    assert fixed_cache.check_compatible(cache) is None
+
+    class MoveOnly:
+        def move_to_end(self, key: Any, last: bool = True) -> None:
+            pass
+
+    cache._LRUCache__order = MoveOnly()
+    reason = fixed_cache.check_compatible(cache)
+    assert reason is not None and "is not an OrderedDict" in reason
 
 
 @pytest.mark.parametrize("version", VERSIONS)
