@@ -222,6 +222,8 @@ def test_only_an_item_too_large_counts_as_too_large(version: str) -> None:
 def test_repair_counts_add_up_and_compare_by_value() -> None:
     from vllm_mmcache_fix.lru_eviction.cache import RepairStats
 
+    assert RepairStats().as_dict() == {"ghost_keys_dropped": 0, "orphans_restored": 0}
+    assert RepairStats().total() == 0
     assert RepairStats(2, 3).total() == 5
     assert RepairStats(1, 2) == RepairStats(1, 2)
     assert RepairStats(1, 2) != RepairStats(2, 1)

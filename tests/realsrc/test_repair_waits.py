@@ -268,3 +268,30 @@ def test_a_base_whose_touch_cannot_be_probed_still_gets_the_fixed_class(version:
     cache.touch("a")
     cache.touch("missing")  # adds nothing
     assert list(cache._LRUCache__order) == ["a"] and _in_step(cache)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_listener_that_raises_does_not_break_the_repair(version: str) -> None:
+    """The plugin logs repairs through a listener; one that raises is skipped, the ones
+    after it still hear of the repair and the eviction goes on."""
+    heard: list[tuple[str, int]] = []
+
+    def broken(kind: str, count: int, cache: Any) -> None:
+        raise RuntimeError("listener failed")
+
+    def listening(kind: str, count: int, cache: Any) -> None:
+        heard.append((kind, count))
+
+    cache = _fixed(version)
+    for key in "abc":
+        cache[key] = "x"
+    _ghost_in_front(cache)
+    fixed_cache.add_repair_listener(broken)
+    fixed_cache.add_repair_listener(listening)
+    try:
+        cache["d"] = "xx"
+    finally:
+        fixed_cache.remove_repair_listener(broken)
+        fixed_cache.remove_repair_listener(listening)
+    assert heard == [("ghost_keys_dropped", 1)]
+    assert _in_step(cache) and "d" in cache
