@@ -295,3 +295,27 @@ def test_a_listener_that_raises_does_not_break_the_repair(version: str) -> None:
         fixed_cache.remove_repair_listener(listening)
     assert heard == [("ghost_keys_dropped", 1)]
     assert _in_step(cache) and "d" in cache
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_eviction_from_a_large_cache_in_step_does_not_look_for_repairs(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repair scans the whole cache; an eviction whose order and data agree (the
+    usual case, and caches hold thousands of items) goes straight to the oldest item."""
+    scans: list[int] = []
+    cls = fixed_cache.fixed_lru_class(realsrc.load_lru_module(version).LRUCache)
+    repair = cls._mmfix_repair
+
+    def counted(self: Any) -> None:
+        scans.append(len(self))
+        repair(self)
+
+    monkeypatch.setattr(cls, "_mmfix_repair", counted)
+    cache = cls(1000, getsizeof=len)
+    for n in range(1000):
+        cache[f"k{n}"] = "x"
+    for n in range(1000, 1010):
+        cache[f"k{n}"] = "x"  # one eviction each
+    assert scans == []
+    assert len(cache) == 1000 and "k9" not in cache and "k10" in cache and _in_step(cache)
