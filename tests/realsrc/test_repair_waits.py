@@ -30,11 +30,15 @@ WAIT_BOUND_S = 0.2
 
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """What the test's threads ask ``time.sleep`` for, instead of sleeping (no other code
-    of these tests sleeps: the paused threads wait on events)."""
+    """What the repair's wait asks ``time.sleep`` for, from any thread, instead of sleeping;
+    any other caller (a thread another test left running) sleeps as usual."""
     asked: list[float] = []
+    real = time.sleep
 
     def sleep(seconds: float) -> None:
+        if sys._getframe(1).f_code.co_name != "_mmfix_wait_for_others":
+            real(seconds)
+            return
         asked.append(seconds)
 
     monkeypatch.setattr(time, "sleep", sleep)
