@@ -10,6 +10,7 @@ call into cachetools, and at most about 0.1 s: a thread that stays inside (a slo
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -60,6 +61,51 @@ def _in_step(cache: Any) -> bool:
     return list(cache._LRUCache__order) == list(cache._Cache__data)
 
 
+def _size(value: str) -> int:
+    """``getsizeof`` as a Python function: a thread can be paused on entering it, inside
+    cachetools' ``Cache.__setitem__``."""
+    return len(value)
+
+
+@contextlib.contextmanager
+def _paused_at(code: Any, call: Any) -> Iterator[None]:
+    """``call()`` in a thread that stops on entering ``code`` and is held there while the
+    block runs; the thread must end once let go."""
+    paused, go = threading.Event(), threading.Event()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is code:
+            paused.set()
+            go.wait(30)
+        return None
+
+    def run() -> None:
+        sys.settrace(tracer)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert paused.wait(10), f"{code.co_name} was never entered"
+        yield
+    finally:
+        go.set()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def _evict_past_ghost(cache: Any, value: str) -> None:
+    """Plant a ghost at the oldest end, insert ``value`` so that it is evicted: one ghost
+    key dropped."""
+    _ghost_in_front(cache)
+    before = fixed_cache.STATS.ghost_keys_dropped
+    cache["d"] = value
+    assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_repair_does_not_wait_for_its_own_thread(version: str, sleeps: list[float]) -> None:
     """The eviction that meets the ghost runs inside cachetools' ``__setitem__`` in this
@@ -69,11 +115,8 @@ def test_a_repair_does_not_wait_for_its_own_thread(version: str, sleeps: list[fl
     cache = _fixed(version)
     for key in "abc":
         cache[key] = "x"
-    _ghost_in_front(cache)
     cache._mmfix_stats = counts = stats.CacheStats()
-    before = fixed_cache.STATS.ghost_keys_dropped
-    cache["d"] = "xx"  # evicts: the ghost first
-    assert fixed_cache.STATS.ghost_keys_dropped == before + 1
+    _evict_past_ghost(cache, "xx")
     assert sleeps == []
     # The ghost dropped is no eviction; the item evicted after the repair is one.
     assert counts.evictions == 1 and "a" not in cache
@@ -106,38 +149,17 @@ def test_a_thread_that_stays_in_cachetools_holds_a_repair_up_briefly(
     """Thread identities are compared for equality only: the repair waits for the thread
     inside cachetools whether its identity is above or below the repairing thread's (a
     thread started later usually gets a lower one)."""
-    entered, release = threading.Event(), threading.Event()
-
-    def getsizeof(value: str) -> int:
-        if value == "slow":
-            entered.set()
-            release.wait(30)
-        return len(value)
-
-    cache = _fixed(version, getsizeof)
+    cache = _fixed(version, _size)
     cache["a"] = "x"
     cache["b"] = "x"
-    inserting = threading.Thread(target=cache.__setitem__, args=("s", "slow"), daemon=True)
-    inserting.start()
-    try:
-        assert entered.wait(10), "the insert never reached getsizeof"
-        _ghost_in_front(cache)
-        before = fixed_cache.STATS.ghost_keys_dropped
-
-        def evict() -> None:
-            cache["d"] = "xxx"  # evicts while the other thread is inside cachetools
-
+    with _paused_at(_size.__code__, lambda: cache.__setitem__("s", "slow")):
+        # The eviction runs while the other thread is inside cachetools' insert.
         if repairing == "main thread":
-            evict()
+            _evict_past_ghost(cache, "xxx")
         else:
-            _in_thread(evict)
+            _in_thread(lambda: _evict_past_ghost(cache, "xxx"))
         assert sleeps, "the repair did not wait for the thread inside cachetools"
         assert sum(sleeps) <= WAIT_BOUND_S, f"waited {sum(sleeps):.3f} s in {len(sleeps)} sleeps"
-        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
-    finally:
-        release.set()
-        inserting.join(10)
-    assert not inserting.is_alive()
     assert _in_step(cache)
 
 
@@ -147,30 +169,13 @@ def test_a_thread_inside_another_cache_with_the_same_items_is_not_waited_for(
 ) -> None:
     """The thread to wait for is one inside cachetools on this very cache (identity): an
     equal cache (the same items) is another cache."""
-    entered, release = threading.Event(), threading.Event()
-
-    def getsizeof(value: str) -> int:
-        if value == "slow":
-            entered.set()
-            release.wait(30)
-        return len(value)
-
-    cache, other = _fixed(version), _fixed(version, getsizeof)
+    cache, other = _fixed(version), _fixed(version, _size)
     for key in "abc":
         cache[key] = other[key] = "x"
-    inserting = threading.Thread(target=other.__setitem__, args=("s", "slow"), daemon=True)
-    inserting.start()
-    try:
-        assert entered.wait(10), "the insert never reached getsizeof"
+    with _paused_at(_size.__code__, lambda: other.__setitem__("s", "slow")):
         assert dict(cache.items()) == dict(other.items())
-        _ghost_in_front(cache)
-        before = fixed_cache.STATS.ghost_keys_dropped
-        cache["d"] = "xx"
+        _evict_past_ghost(cache, "xx")
         assert sleeps == []
-        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
-    finally:
-        release.set()
-        inserting.join(10)
     assert _in_step(cache)
 
 
@@ -211,47 +216,20 @@ def test_a_thread_paused_outside_cachetools_own_code_is_not_waited_for(
     cache has not begun an insert: the repair does not wait for it."""
     import collections.abc
 
-    paused, go = threading.Event(), threading.Event()
     cache = _fixed(version)
     for key in "abc":
         cache[key] = "x"
     if where == "vllm":
-        code = realsrc.load_lru_module(version).LRUCache.stat.__code__
-
-        def call() -> None:
-            cache.stat()
+        code, call = realsrc.load_lru_module(version).LRUCache.stat.__code__, cache.stat
     else:
         code = collections.abc.MutableMapping.update.__code__
 
         def call() -> None:
             cache.update({"e": "x"})
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is code:
-            paused.set()
-            go.wait(30)
-        return None
-
-    def paused_call() -> None:
-        sys.settrace(tracer)
-        try:
-            call()
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=paused_call, daemon=True)
-    thread.start()
-    try:
-        assert paused.wait(10), f"the {where} call never started"
-        _ghost_in_front(cache)
-        before = fixed_cache.STATS.ghost_keys_dropped
-        cache["d"] = "xx"
+    with _paused_at(code, call):
+        _evict_past_ghost(cache, "xx")
         assert sleeps == []
-        assert fixed_cache.STATS.ghost_keys_dropped == before + 1
-    finally:
-        go.set()
-        thread.join(10)
-    assert not thread.is_alive()
     assert _in_step(cache)
 
 
