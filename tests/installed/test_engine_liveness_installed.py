@@ -41,7 +41,13 @@ engine.input_queue = queue.Queue()
 engine.output_queue = queue.Queue()
 if hasattr(core, "EngineShutdownState"):
     engine.shutdown_state = core.EngineShutdownState.RUNNING
+# The API server's first ping can reach the input queue before the busy loop adopts the
+# engine (EngineCore said it was ready; its busy loop has not started): the busy loop answers
+# it, and says it was queued before the hook.
+engine.input_queue.put_nowait((T.UTILITY, [0, 0, "mmcache_fix_ping", []]))
 plugin.ENGINE_ANSWER.adopt(engine)
+engine._handle_client_request(*engine.input_queue.get_nowait())  # the busy loop takes it
+early = engine.output_queue.get(timeout=5)[1].utility_output.result.result
 
 
 def ping(call_id, target=None):
@@ -116,6 +122,7 @@ dp.execute_dummy_batch()
 after_sync = ping(10, dp)["result"]["loop"]["state"]
 
 print(json.dumps({
+    "early": {k: early.get(k) for k in ("via", "input_thread", "queued_before_hook")},
     "idle": idle,
     "step": during["step"],
     "utility": during["utility"],
@@ -160,10 +167,13 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    early = {"via": "busy loop", "input_thread": True, "queued_before_hook": True}
+    assert out["early"] == early, out
     idle = out["idle"]
     assert idle["call_id"] == 1 and idle["failure"] is None, out
     answer = idle["result"]
     assert answer["via"] == "input thread" and answer["input_thread"] is True, out
+    assert "queued_before_hook" not in answer, out
     assert answer["loop"]["state"] == "idle", out
     assert set(answer["counts"]) >= {"protected", "stalls_cache_eviction", "stalls_busy"}, out
     assert out["step"]["result"]["loop"]["state"] == "step", out
@@ -180,7 +190,7 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     assert out["dummy"]["state"] == "sync" and out["dummy"]["detail"] == "dummy batch", out
     assert out["after_sync"] == "idle", out
     assert out["internal_errors"] == 0, out
-    assert out["queued_for_busy_loop"] == 0, out  # no ping ever reached the busy loop
+    assert out["queued_for_busy_loop"] == 0, out  # no later ping reached the busy loop
     assert out["identified"] == ["EngineCore", "EngineCore"], out  # one per adopted engine
     assert out["patched"] == [
         "AsyncLLM.__init__",

@@ -151,6 +151,32 @@ def test_an_engine_never_adopted_answers_from_its_busy_loop_and_says_so() -> Non
     assert "loop" not in reply
 
 
+def test_pings_queued_before_the_hook_are_answered_by_the_busy_loop_and_say_so() -> None:
+    """The API server's first pings can reach the input queue before the busy loop adopts the
+    engine: the busy loop answers exactly those with ``queued_before_hook``; later pings are
+    answered in the input thread, and one the busy loop gets past the hook is not marked."""
+    fix = _fix()
+    engine = Engine()
+    engine.input_queue.put_nowait(PING)
+    engine.input_queue.put_nowait((RequestType.ADD, "r"))
+    engine.input_queue.put_nowait(PING)
+    fix.adopt(engine)
+    replies = []
+    while not engine.input_queue.empty():  # the busy loop drains what was queued
+        engine._handle_client_request(*engine.input_queue.get_nowait())
+    while not engine.output_queue.empty():
+        replies.append(engine.output_queue.get_nowait()[2])
+    assert [(r["via"], r.get("queued_before_hook")) for r in replies] == [("busy loop", True)] * 2
+    engine.input_queue.put_nowait(PING)  # hooked: answered in the input thread
+    later = engine.output_queue.get_nowait()[2]
+    assert later["via"] == "input thread" and "queued_before_hook" not in later
+    # A ping that reaches the busy loop some other way (its queue replaced): not marked.
+    engine._handle_client_request(*PING)
+    lost = engine.output_queue.get_nowait()[2]
+    assert lost["via"] == "busy loop" and lost["input_thread"] is True
+    assert "queued_before_hook" not in lost
+
+
 def test_the_answer_never_raises() -> None:
     def broken() -> dict[str, int]:
         raise RuntimeError("counts broke")

@@ -394,6 +394,32 @@ def test_an_answer_through_the_busy_loop_while_the_input_thread_was_said_to_answ
     assert len(records(caplog, ENGINE_CHECK_OFF)) == 1
 
 
+def test_an_answer_to_a_ping_queued_before_the_hook_keeps_the_check_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first ping reached EngineCore's input queue before its busy loop hooked it: the
+    busy loop answers it and says so. The engine is alive and the check stays on (it was
+    turned off for the server's life by this start-up race); its counts reach /metrics."""
+
+    async def go() -> Heartbeat:
+        client = Client(answer=reply(via="busy loop", queued_before_hook=True))
+        beat = Heartbeat(client, TIMEOUT)
+        beat.tick(client, 0.0, responsive=True)
+        await settle()
+        client.answer = reply()
+        for now in (2.0, 4.0):
+            beat.tick(client, now, responsive=True)
+            await settle()
+        return beat
+
+    with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
+        beat = run(go())
+    engine = beat.beats[0]
+    assert engine.off is None and engine.answers == 3 and beat.verdict() == []
+    assert engine.counts == {"ghost_keys_dropped": 2, "protected": 1}
+    assert records(caplog, ENGINE_CHECK_OFF) == []
+
+
 @pytest.mark.parametrize(
     ("answer", "why"),
     [

@@ -64,6 +64,7 @@ from .busy_loop import (
     ADD,
     ANSWER_SCHEMA,
     IDLE,
+    KEY_QUEUED_BEFORE_HOOK,
     STEP,
     STUCK_STATES,
     SYNC,
@@ -89,7 +90,15 @@ Counts = Callable[[], "dict[str, int]"]
 class Adopted:
     """What the plugin keeps on one adopted engine."""
 
-    __slots__ = ("loop", "hooked", "progress", "aborted_at", "queue", "queued_since")
+    __slots__ = (
+        "loop",
+        "hooked",
+        "progress",
+        "aborted_at",
+        "queue",
+        "queued_since",
+        "early_pings",
+    )
 
     def __init__(self) -> None:
         self.loop = LoopState()
@@ -102,6 +111,9 @@ class Adopted:
         """The hooked input queue (vLLM's ``queue.Queue``), for :func:`queued_s`."""
         self.queued_since = time.monotonic()
         """When the input thread last put an item on the empty input queue."""
+        self.early_pings = 0
+        """Pings already in the input queue when its ``put_nowait`` was hooked: the busy loop
+        answers them, and says so (``KEY_QUEUED_BEFORE_HOOK``)."""
 
 
 def is_ping(item: Any) -> bool:
@@ -289,6 +301,7 @@ class EngineLivenessAnswer(Fix):
                 hook = make_put(self, weakref.ref(engine), put)
                 registry.set_instance_attr(PATCH_ID, queue, "put_nowait", hook)
                 record.hooked = True
+                record.early_pings = queued_pings(queue)
                 if callable(getattr(queue, "empty", None)):
                     record.queue = queue
             self.engines += 1
@@ -440,6 +453,9 @@ class EngineLivenessAnswer(Fix):
             self.answers_in_input_thread += via_input
             record = engine.__dict__.get(ENGINE_ATTR)
             reply["input_thread"] = bool(record is not None and record.hooked and self.input_thread)
+            if not via_input and record is not None and record.early_pings > 0:
+                record.early_pings -= 1
+                reply[KEY_QUEUED_BEFORE_HOOK] = True
             if record is not None and self.stamping:
                 reply["loop"] = record.loop.snapshot()
             scheduler = getattr(engine, SCHEDULER_ATTR, None)
@@ -452,6 +468,16 @@ class EngineLivenessAnswer(Fix):
                         reply[KEY_DETAILS] = engine_details(engine, scheduler)
             reply["counts"] = dict(self.counts())
         return reply
+
+
+def queued_pings(queue: Any) -> int:
+    """The pings waiting in ``queue`` (a ``queue.Queue``; 0 for anything else). Counted after
+    the hook is in place: every ping queued from then on is answered by the hook instead."""
+    mutex, items = getattr(queue, "mutex", None), getattr(queue, "queue", None)
+    if mutex is None or items is None:
+        return 0
+    with mutex:
+        return sum(1 for item in list(items) if is_ping(item))
 
 
 def note_first_put(record: Adopted) -> None:

@@ -31,6 +31,11 @@ timeout: one step of this engine or of a peer it waits for."""
 ANSWER_SCHEMA = 2
 VIA_INPUT_THREAD = "input thread"
 VIA_BUSY_LOOP = "busy loop"
+KEY_QUEUED_BEFORE_HOOK = "queued_before_hook"
+"""Set (True) in an answer the busy loop gives to a ping the input thread had queued before
+the hook that answers pings in the input thread was in place (the busy loop adopts its engine
+after EngineCore said it was ready, so the API server's first ping can be queued first): the
+engine is alive, and the input thread answers the next pings."""
 
 
 class Phase(NamedTuple):

@@ -64,7 +64,7 @@ from ..vllm_layout import (
     ENGINE_PING_METHOD,
     UTILITY_SHUTDOWN_REPLY,
 )
-from .busy_loop import STEP_STATES, STUCK_STATES, VIA_INPUT_THREAD
+from .busy_loop import KEY_QUEUED_BEFORE_HOOK, STEP_STATES, STUCK_STATES, VIA_INPUT_THREAD
 from .snapshot import KEY_DETAILS
 
 TICK_S = 1.0
@@ -365,7 +365,11 @@ class Heartbeat:
         if not isinstance(reply, Mapping):
             self.turn_off(beat, f"its {ENGINE_PING_METHOD} answered {type(reply).__name__}")
             return
-        if reply.get("input_thread") is True and reply.get("via") != VIA_INPUT_THREAD:
+        if (
+            reply.get("input_thread") is True
+            and reply.get("via") != VIA_INPUT_THREAD
+            and reply.get(KEY_QUEUED_BEFORE_HOOK) is not True  # queued before the hook: alive
+        ):
             self.turn_off(
                 beat,
                 f"it said its input thread answers, but this answer came through "

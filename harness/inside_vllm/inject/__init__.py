@@ -10,6 +10,8 @@ chosen by environment variables (:func:`inject_env` writes them):
 - ``utility_sleep_s``: EngineCore's ``reset_prefix_cache`` utility call takes this much
   longer (vLLM's dev-mode ``POST /reset_prefix_cache`` runs it; as a profiler stop, a weight
   sync or a LoRA load would);
+- ``busy_loop_delay_s``: EngineCore's busy loop starts this much later after EngineCore
+  said it was ready (the API server's first requests and pings wait in its input queue);
 - ``fork``: undo the CPU platform's forced ``spawn`` (``VLLM_WORKER_MULTIPROC_METHOD``), so
   EngineCore is forked from the API server as on GPU and Ascend images;
 - trigger files in ``trigger_dir``: while ``stuck-step`` exists, the next step does not
@@ -44,6 +46,7 @@ from pathlib import Path
 DIRECTORY = Path(__file__).resolve().parent / "site"
 ENV_STEP_SLEEP = "MMCACHE_INJECT_STEP_SLEEP_S"
 ENV_UTILITY_SLEEP = "MMCACHE_INJECT_UTILITY_SLEEP_S"
+ENV_BUSY_LOOP_DELAY = "MMCACHE_INJECT_BUSY_LOOP_DELAY_S"
 ENV_FORK = "MMCACHE_INJECT_FORK"
 ENV_TRIGGERS = "MMCACHE_INJECT_DIR"
 STUCK_STEP = "stuck-step"
@@ -66,6 +69,7 @@ def inject_env(
     *,
     step_sleep_s: float = 0.0,
     utility_sleep_s: float = 0.0,
+    busy_loop_delay_s: float = 0.0,
     fork: bool = False,
     trigger_dir: Path | None = None,
 ) -> dict[str, str]:
@@ -78,6 +82,8 @@ def inject_env(
         env[ENV_STEP_SLEEP] = str(step_sleep_s)
     if utility_sleep_s:
         env[ENV_UTILITY_SLEEP] = str(utility_sleep_s)
+    if busy_loop_delay_s:
+        env[ENV_BUSY_LOOP_DELAY] = str(busy_loop_delay_s)
     if fork:
         env[ENV_FORK] = "1"
     if trigger_dir is not None:

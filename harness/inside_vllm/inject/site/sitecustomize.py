@@ -15,6 +15,7 @@ from typing import Any
 
 STEP_SLEEP = float(os.environ.get("MMCACHE_INJECT_STEP_SLEEP_S") or 0)
 UTILITY_SLEEP = float(os.environ.get("MMCACHE_INJECT_UTILITY_SLEEP_S") or 0)
+BUSY_LOOP_DELAY = float(os.environ.get("MMCACHE_INJECT_BUSY_LOOP_DELAY_S") or 0)
 FORK = os.environ.get("MMCACHE_INJECT_FORK") == "1"
 TRIGGERS = Path(os.environ["MMCACHE_INJECT_DIR"]) if os.environ.get("MMCACHE_INJECT_DIR") else None
 STUCK_STEP_MAX_S = 900.0
@@ -46,6 +47,14 @@ def _engine_core(module: ModuleType) -> None:
 
         proc._process_engine_step = _process_engine_step
         _say(f"EngineCore steps: +{STEP_SLEEP:g} s, stuck-step trigger {TRIGGERS}")
+    if proc is not None and BUSY_LOOP_DELAY:
+        run = proc.run_busy_loop
+
+        def run_busy_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _pause(BUSY_LOOP_DELAY, f"busy loop starts {BUSY_LOOP_DELAY:g} s after ready")
+            return run(self, *args, **kwargs)
+
+        proc.run_busy_loop = run_busy_loop
     if proc is not None and TRIGGERS is not None:
         take = proc._process_input_queue
 
