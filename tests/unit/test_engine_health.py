@@ -346,6 +346,33 @@ def test_a_long_utility_call_or_step_is_healthy_a_step_past_its_bound_is_stuck(
     assert len(records(caplog, ENGINE_ANSWERS_AGAIN)) == 2
 
 
+def test_an_answer_that_finds_a_stall_is_confirmed_at_the_next_tick() -> None:
+    """Pings go every 2 s while answers are healthy; an answer that finds the busy loop past
+    its bound is confirmed by a ping at the next tick (1 s), so the 503 comes a ping interval
+    sooner; an answer that clears it brings back the 2 s interval."""
+    step_bound = 90.0
+
+    async def go() -> tuple[list[int], list[list[str | None]]]:
+        client = Client()
+        beat = Heartbeat(client, TIMEOUT, step_timeout=step_bound)
+        sent, stuck = [], []
+        answers = [reply("step", step_bound - 1)] * 4 + [reply("step", step_bound + 1)] * 2
+        answers += [reply("idle", 0.0)] * 4
+        for now in range(10):
+            client.answer = answers[now]
+            beat.tick(client, float(now), responsive=True)
+            await settle()
+            sent.append(len(client.calls))
+            stuck.append([b.stuck for b in beat.verdict()])
+        return sent, stuck
+
+    sent, stuck = run(go())
+    # t=0, 2: the interval; t=4 finds the stall, t=5 confirms it (stuck at once); then the
+    # interval again: t=7 finds it cleared, t=9.
+    assert sent == [1, 1, 2, 2, 3, 4, 4, 5, 5, 6], sent
+    assert [bool(v) for v in stuck] == [False] * 5 + [True] * 2 + [False] * 3, stuck
+
+
 def test_a_dp_rank_waiting_for_its_peers_is_judged_as_a_step() -> None:
     """The DP all-reduce or a dummy batch waits as long as the peers' step: healthy past the
     health timeout, stuck only past the step bound."""

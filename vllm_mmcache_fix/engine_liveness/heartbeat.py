@@ -303,6 +303,8 @@ class Heartbeat:
                 continue
             if beat.pending:
                 due = now - beat.last_sent >= self.timeout / 2  # confirm, or get through
+            elif beat.candidate in (LOOP, NO_PROGRESS) and beat.strikes < STRIKES:
+                due = True  # an answer found a stall: the next answer confirms it or clears it
             else:
                 due = now - beat.last_sent >= PING_INTERVAL_S
             _expire(beat, now - EXPIRE_TIMEOUTS * self.timeout)
