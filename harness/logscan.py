@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_mmcache_fix.core import messages
+from vllm_mmcache_fix.core.guard import InjectedFault
 
 PLUGIN_TAG = messages.PREFIX.rstrip()
 
@@ -88,6 +89,18 @@ def plugin_lines(log_path: Path) -> dict[str, list[str]]:
         proc = m.group("name") if m else "main"
         out.setdefault(proc, []).append(line)
     return out
+
+
+def plugin_trouble(log_path: Path) -> list[str]:
+    """The plugin's lines that no healthy run may print: an engine liveness check turned off,
+    an internal error other than a fault a test injected (``InjectedFault``)."""
+    bad = (messages.PREFIX + messages.ENGINE_CHECK_OFF, messages.PREFIX + messages.INTERNAL_ERROR)
+    return [
+        line
+        for lines in plugin_lines(log_path).values()
+        for line in lines
+        if any(marker in line for marker in bad) and InjectedFault.__name__ not in line
+    ]
 
 
 def log_process_names(log_path: Path) -> dict[int, str]:

@@ -37,6 +37,13 @@ def logs_dir() -> Path:
     return cache_root() / "logs"
 
 
+CREATED_LOGS: list[Path] = []
+"""Every log name :func:`log_path` gave in this process, in order (the test session checks
+them all at its end: ``tests/conftest.py``)."""
+
+
 def log_path(prefix: str) -> Path:
     """A new server log file name: ``logs/<prefix>-<timestamp>.log``."""
-    return logs_dir() / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    path = logs_dir() / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    CREATED_LOGS.append(path)
+    return path

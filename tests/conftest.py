@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from harness import children as child_procs
+from harness import logscan, paths
 
 # With $MMCACHE_HARNESS_OUTCOMES set, every outcome is written there (harness/outcomes.py).
 from harness.outcomes import (
@@ -86,6 +87,20 @@ def _revert_patches() -> Iterator[None]:
     yield
     if "vllm_mmcache_fix.plugin" in sys.modules:
         sys.modules["vllm_mmcache_fix.plugin"].uninstrument()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_logs_without_plugin_trouble() -> Iterator[None]:
+    """At the end of the session, every server log it wrote: no engine liveness check turned
+    off, no internal error of the plugin other than a fault a test injected. A test looks at
+    what its case promises; this catches what went wrong beside it (a check that turned
+    itself off at start-up was seen only through a missing metric)."""
+    yield
+    trouble = {str(p): logscan.plugin_trouble(p) for p in paths.CREATED_LOGS if p.exists()}
+    trouble = {log: lines for log, lines in trouble.items() if lines}
+    if trouble:
+        shown = "\n".join(f"{log}:\n  " + "\n  ".join(lines[:5]) for log, lines in trouble.items())
+        pytest.fail(f"the plugin reported trouble in server logs of this session:\n{shown}")
 
 
 @pytest.fixture(scope="session")
