@@ -79,9 +79,10 @@ _PROFILING_OK = ["transformers==5.5.4"]
 # ``datasets`` at start-up (``vllm.benchmarks.datasets``): "module 'pyarrow' has no attribute
 # 'PyExtensionType'" once the index carried pyarrow 26.
 _TRANSFORMERS_4 = ["transformers==4.56.2", "pyarrow<21"]
-# The releases that resolve transformers 4.57 can get that old ``datasets`` too (a CI build
-# of 0.11.2 did, with pyarrow 26.0.1; a rebuild 40 minutes later took datasets 5.0.1):
-# the same bound keeps the pair consistent whichever ``datasets`` the resolver takes.
+# 0.11.2, the last release that requires ``datasets``, can get that old ``datasets`` too (a CI
+# build did, with pyarrow 26.0.1; a rebuild 40 minutes later took datasets 5.0.1): the same
+# bound keeps the pair consistent whichever ``datasets`` the resolver takes (0.12.0, 0.13.0
+# and 0.17.1 require no ``datasets``).
 _PYARROW_20 = ["pyarrow<21"]
 
 VERSION_PINS: dict[str, list[str]] = {
@@ -91,8 +92,7 @@ VERSION_PINS: dict[str, list[str]] = {
     "0.10.2": _TRANSFORMERS_4,
     # 0.11.0 asks for transformers>=4.55.2 with no upper bound; it runs on 4.56.x only.
     "0.11.0": _TRANSFORMERS_4,
-    **dict.fromkeys(("0.11.2", "0.12.0", "0.13.0", "0.14.1", "0.15.1"), _PYARROW_20),
-    **dict.fromkeys(("0.16.0", "0.17.1", "0.18.1"), _PYARROW_20),
+    "0.11.2": _PYARROW_20,
     "0.20.2": _PROFILING_OK,
     "0.21.0": _PROFILING_OK,
     "0.22.1": _PROFILING_OK,
