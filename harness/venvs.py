@@ -79,7 +79,7 @@ _PROFILING_OK = ["transformers==5.5.4"]
 # ``datasets`` at start-up (``vllm.benchmarks.datasets``): "module 'pyarrow' has no attribute
 # 'PyExtensionType'" once the index carried pyarrow 26.
 _TRANSFORMERS_4 = ["transformers==4.56.2", "pyarrow<21"]
-# 0.11.2, the last release that requires ``datasets``, can get that old ``datasets`` too (a CI
+# 0.11.2, which requires ``datasets``, can get that old ``datasets`` too (a CI
 # build did, with pyarrow 26.0.1; a rebuild 40 minutes later took datasets 5.0.1): the same
 # bound keeps the pair consistent whichever ``datasets`` the resolver takes (0.12.0, 0.13.0
 # and 0.17.1 require no ``datasets``).
