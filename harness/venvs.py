@@ -77,13 +77,12 @@ _PROFILING_OK = ["transformers==5.5.4"]
 # With transformers 4.56 the resolver takes an old ``datasets`` (its huggingface-hub bound),
 # which uses ``pyarrow.PyExtensionType``; pyarrow 21 removed it, and vLLM's server imports
 # ``datasets`` at start-up (``vllm.benchmarks.datasets``): "module 'pyarrow' has no attribute
-# 'PyExtensionType'" once the index carried pyarrow 26.
-_TRANSFORMERS_4 = ["transformers==4.56.2", "pyarrow<21"]
-# 0.11.2, which requires ``datasets``, can get that old ``datasets`` too (a CI
-# build did, with pyarrow 26.0.1; a rebuild 40 minutes later took datasets 5.0.1): the same
-# bound keeps the pair consistent whichever ``datasets`` the resolver takes (0.12.0, 0.13.0
-# and 0.17.1 require no ``datasets``).
+# 'PyExtensionType'" once the index carried pyarrow 26. 0.11.2, which requires ``datasets``,
+# can get that old ``datasets`` too (a CI build did, with pyarrow 26.0.1; a rebuild 40 minutes
+# later took datasets 5.0.1): the bound keeps the pair consistent whichever ``datasets`` the
+# resolver takes (0.12.0, 0.13.0 and 0.17.1 require no ``datasets``).
 _PYARROW_20 = ["pyarrow<21"]
+_TRANSFORMERS_4 = ["transformers==4.56.2", *_PYARROW_20]
 
 VERSION_PINS: dict[str, list[str]] = {
     # Under 5.24.0, 0.10.x rejects the tiny Qwen2-VL's mrope rope config ("conflicts
