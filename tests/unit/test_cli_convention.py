@@ -26,12 +26,6 @@ from vllm_mmcache_fix.tools.status import Verdict as StatusVerdict
 
 VERSION = vllm_mmcache_fix.__version__
 ENVELOPE = {"schema_version", "tool_version", "command", "verdict", "exit_code"}
-COMMAND_VERDICTS = {
-    "check": CheckVerdict,
-    "patch": PatchVerdict,
-    "diagnose": Classification,
-    "status": StatusVerdict,
-}
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
@@ -65,12 +59,18 @@ def as_json(done: subprocess.CompletedProcess[str]) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
-def test_every_verdict_is_a_lower_case_name_with_one_exit_code() -> None:
-    for command, verdicts in COMMAND_VERDICTS.items():
-        for verdict in verdicts:
-            assert re.fullmatch(r"[a-z][a-z0-9_]*", verdict.value), (command, verdict)
-            assert verdict.value in exits.VERDICTS, (command, verdict)
-            assert exits.exit_code(verdict.value) != exits.USAGE.code, (command, verdict)
+def test_every_command_prints_verdicts_of_the_one_vocabulary() -> None:
+    assert CheckVerdict is PatchVerdict is StatusVerdict is Classification is exits.Verdict
+    for verdict in exits.Verdict:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", verdict.value), verdict
+        assert str(verdict) == f"{verdict}" == verdict.value
+        assert exits.VERDICTS[verdict.value] is verdict.code
+        assert exits.exit_code(verdict.value) == verdict.code.code
+        if verdict is not exits.Verdict.USAGE:
+            assert verdict.code is not exits.USAGE, verdict
+    assert list(exits.VERDICTS) == [v.value for v in exits.Verdict]
+    # every exit code but usage's is some verdict's
+    assert {v.code for v in exits.Verdict} == set(exits.CODES)
 
 
 def test_each_exit_code_means_one_thing() -> None:

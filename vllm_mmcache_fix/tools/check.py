@@ -43,6 +43,7 @@ from ..vllm_layout import (
     PLUGINS_MODULE_FILE,
     STRICT_PLUGIN_GROUPS,
 )
+from .exits import Verdict
 from .redact import REDACTED, is_sensitive
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -50,18 +51,6 @@ ENTRY_POINT_NAME = "mmcache_fix"
 PLUGIN_DISTRIBUTION = "vllm-mmcache-fix"
 ASCEND_PLATFORM_PLUGIN = "ascend"
 ASCEND_DISTRIBUTION = "vllm-ascend"
-
-
-class Verdict(str, enum.Enum):
-    PROTECTED = "protected"
-    PROTECTED_SOURCE_PATCH = "protected_source_patch"
-    UNPROTECTED = "unprotected"
-    INACTIVE = "inactive"
-    NO_VLLM = "no_vllm"
-    VLLM_IMPORT_FAILED = "vllm_import_failed"
-    STRICT_FAILED = "strict_failed"
-    """``check --strict`` only: protected, but with something a production image must not
-    carry (see ``CheckReport.strict_problems``)."""
 
 
 class Cause(str, enum.Enum):
@@ -150,9 +139,7 @@ class CheckReport:
 
     @property
     def exit_code(self) -> int:
-        from .exits import exit_code
-
-        return exit_code(self.verdict.value)
+        return self.verdict.code.code
 
 
 def _dist_version(*names: str) -> str | None:

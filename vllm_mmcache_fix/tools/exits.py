@@ -8,6 +8,7 @@ two in step).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -135,39 +136,67 @@ CODES: tuple[Code, ...] = (
     STRICT_FAILED,
 )
 
-VERDICTS: dict[str, Code] = {
+_BY_NUMBER = {c.code: c for c in CODES}
+
+
+class Verdict(str, enum.Enum):
+    """Every verdict any command prints, with its exit status: ``code`` is its :class:`Code`.
+
+    One vocabulary for every command (``check``, ``patch``, ``status`` and ``diagnose``
+    each print some of these), so that a verdict means one thing and has one code
+    wherever it is printed. ``str()`` is the verdict's name, as ``--json`` prints it."""
+
+    _value_: str
+    code: Code
+
+    def __new__(cls, value: str, exit_status: int) -> Verdict:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.code = _BY_NUMBER[exit_status]
+        return member
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
     # check
-    "protected": OK,
-    "protected_source_patch": OK,
-    "unprotected": UNPROTECTED,
-    "inactive": INACTIVE,
-    "no_vllm": NO_VLLM,
-    "vllm_import_failed": VLLM_IMPORT_FAILED,
-    "strict_failed": STRICT_FAILED,
-    # patch
-    "applied": OK,
-    "reverted": OK,
-    "not_needed": OK,
-    "unpatched": UNPROTECTED,
-    "patch_refused": PATCH_REFUSED,
-    "patch_failed": PATCH_FAILED,
+    PROTECTED = "protected", 0
+    PROTECTED_SOURCE_PATCH = "protected_source_patch", 0
+    UNPROTECTED = "unprotected", 3
+    INACTIVE = "inactive", 4
+    NO_VLLM = "no_vllm", 5
+    VLLM_IMPORT_FAILED = "vllm_import_failed", 6
+    STRICT_FAILED = "strict_failed", 17
+    """``check --strict`` only: protected, but with something a production image must not
+    carry (see ``CheckReport.strict_problems``)."""
+    # patch (no_vllm as above)
+    APPLIED = "applied", 0
+    """``check``: the fix is in the file; ``apply``: done now or before."""
+    REVERTED = "reverted", 0
+    NOT_NEEDED = "not_needed", 0
+    """``check``: the file is unpatched, but the installed plugin protects this vLLM."""
+    UNPATCHED = "unpatched", 3
+    """``check``: the file is unpatched and nothing else protects this vLLM."""
+    PATCH_REFUSED = "patch_refused", 7
+    PATCH_FAILED = "patch_failed", 8
     # status (protected / unprotected / inactive as above)
-    "stuck": STUCK,
-    "unreachable": UNREACHABLE,
-    # diagnose
-    "idle": OK,
-    "active": OK,
-    "spinning_in_mm_cache": SPINNING_IN_MM_CACHE,
-    "spinning": SPINNING,
-    "spinning_elsewhere": SPINNING_ELSEWHERE,
-    "blocked": BLOCKED,
-    "exited": EXITED,
-    "engine_input_thread_gone": ENGINE_INPUT_THREAD_GONE,
+    STUCK = "stuck", 9
+    UNREACHABLE = "unreachable", 10
+    # diagnose (its order of severity: diagnose.rules.SEVERITY)
+    IDLE = "idle", 0
+    ACTIVE = "active", 0
+    SPINNING_IN_MM_CACHE = "spinning_in_mm_cache", 11
+    SPINNING = "spinning", 12
+    SPINNING_ELSEWHERE = "spinning_elsewhere", 13
+    BLOCKED = "blocked", 14
+    EXITED = "exited", 15
+    ENGINE_INPUT_THREAD_GONE = "engine_input_thread_gone", 16
     # every command
-    "error": ERROR,
-    "usage": USAGE,
-}
-"""Every verdict any command prints, with its exit code."""
+    ERROR = "error", 1
+    USAGE = "usage", 2
+
+
+VERDICTS: dict[str, Code] = {v.value: v.code for v in Verdict}
+"""Every verdict any command prints, by name, with its exit code."""
 
 
 def exit_code(verdict: str) -> int:

@@ -25,7 +25,6 @@ Imports neither vLLM nor anything the wheel does not ship: it runs from a debug 
 
 from __future__ import annotations
 
-import enum
 import re
 import time
 import urllib.error
@@ -36,6 +35,7 @@ from typing import Any
 
 from ..metrics import names as n
 from . import exits
+from .exits import Verdict
 
 DEFAULT_TIMEOUT_S = 15.0
 """Per request. ``/metrics`` and ``/health`` answer at once, a stuck engine or not (the
@@ -45,14 +45,6 @@ DEFAULT_STUCK_AFTER_S = 30.0
 """An engine whose last answer is older than this (and getting older) is stuck."""
 SETTLE_S = 1.5
 """Between ``/health`` and the second read: the plugin syncs its metrics once a second."""
-
-
-class Verdict(str, enum.Enum):
-    PROTECTED = "protected"
-    UNPROTECTED = "unprotected"
-    INACTIVE = "inactive"
-    STUCK = "stuck"
-    UNREACHABLE = "unreachable"
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -85,7 +77,7 @@ class StatusReport:
 
     @property
     def exit_code(self) -> int:
-        return exits.exit_code(self.verdict.value)
+        return self.verdict.code.code
 
     def as_dict(self) -> dict[str, Any]:
         return exits.record_envelope(

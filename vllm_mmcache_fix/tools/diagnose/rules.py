@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from enum import Enum
 
 from ...vllm_layout import (
     ENGINE_CORE_PROCESS,
@@ -13,20 +12,9 @@ from ...vllm_layout import (
 )
 from .. import exits
 
-
-class Classification(str, Enum):
-    SPINNING_IN_MM_CACHE = "spinning_in_mm_cache"
-    ENGINE_INPUT_THREAD_GONE = "engine_input_thread_gone"
-    SPINNING = "spinning"
-    SPINNING_ELSEWHERE = "spinning_elsewhere"
-    BLOCKED = "blocked"
-    ACTIVE = "active"
-    IDLE = "idle"
-    EXITED = "exited"
-
-    def __str__(self) -> str:
-        return self.value
-
+Classification = exits.Verdict
+"""What a process, or a whole server, is found doing: ``diagnose``'s verdicts are
+:class:`exits.Verdict` members (``SEVERITY`` lists them)."""
 
 C = Classification
 
@@ -44,7 +32,7 @@ SEVERITY: tuple[Classification, ...] = (
 
 # Exit status of ``vllm-mmcache-fix diagnose`` per overall class: the command line's one
 # table (tools/exits.py). EXIT_ERROR is for DiagnoseError.
-EXIT_CODES: dict[Classification, int] = {c: exits.exit_code(c.value) for c in Classification}
+EXIT_CODES: dict[Classification, int] = {c: c.code.code for c in SEVERITY}
 EXIT_ERROR = exits.ERROR.code
 
 SPIN_MIN_CPU_FRACTION = 0.8

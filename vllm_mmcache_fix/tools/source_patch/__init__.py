@@ -16,6 +16,7 @@ prints it.
 
 from __future__ import annotations
 
+from ..exits import Verdict
 from .diff import apply_unified_diff, parse_unified_diff
 from .index import PatchEntry, PatchIndex, default_patches_dir, load_index
 from .operation import Outcome, apply, inspect_tree, revert
@@ -33,7 +34,6 @@ from .outcome import (
     SCHEMA_VERSION,
     PatchError,
     State,
-    Verdict,
 )
 from .tree import find_vllm_root, is_final_release, read_vllm_version, release_of, sha256_file
 

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import exits
+from ..exits import Verdict
 from .diff import apply_unified_diff
 from .index import PatchEntry, PatchIndex, load_index
-from .outcome import INDEX_NAME, PatchError, State, Verdict
+from .outcome import INDEX_NAME, PatchError, State
 from .tree import (
     find_vllm_root,
     is_final_release,
@@ -83,7 +84,7 @@ class Outcome:
 
     @property
     def exit_code(self) -> int:
-        return exits.exit_code(self.verdict.value)
+        return self.verdict.code.code
 
     def as_dict(self) -> dict[str, Any]:
         return exits.record_envelope("patch", self, root=str(self.root) if self.root else None)

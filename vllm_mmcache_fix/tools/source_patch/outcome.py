@@ -31,20 +31,6 @@ EXIT_PATCH_FAILED = exits.PATCH_FAILED.code
 """The patch itself failed; the tree was left unchanged."""
 
 
-class Verdict(str, enum.Enum):
-    APPLIED = "applied"
-    """``check``: the fix is in the file; ``apply``: done now or before."""
-    REVERTED = "reverted"
-    NOT_NEEDED = "not_needed"
-    """``check``: the file is unpatched, but the installed plugin protects this vLLM."""
-    UNPATCHED = "unpatched"
-    """``check``: the file is unpatched and nothing else protects this vLLM."""
-    NO_VLLM = "no_vllm"
-    PATCH_REFUSED = "patch_refused"
-    PATCH_FAILED = "patch_failed"
-    ERROR = "error"
-
-
 class State(enum.Enum):
     UNPATCHED = "unpatched"
     APPLIED = "applied"
