@@ -30,8 +30,9 @@ silence, answers for the loop); one answer that says otherwise clears it at once
 
 At most :data:`MAX_IN_FLIGHT` pings per engine wait on vLLM; one unanswered for four timeouts
 expires and frees its place. An engine that cannot answer (no ping method: vLLM's failure
-reply; a client without ``engine=``; answers from the busy loop only, or through the busy
-loop while its input thread was said to answer) has its check turned off, with one WARNING.
+reply; a client without ``engine=``; answers from the busy loop only, or
+:data:`MISROUTED_ANSWERS` in a row through the busy loop while its input thread was said to
+answer) has its check turned off, with one WARNING.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ EXPIRE_TIMEOUTS = 4.0
 until a later answer settles it."""
 STRIKES = 2
 """Consecutive evaluations a verdict must hold before ``/health`` fails."""
+MISROUTED_ANSWERS = 3
+"""Answers in a row through the busy loop, while the engine said its input thread answers,
+that turn the check off: a hook lost to another plugin sends every answer that way, while a
+ping the input thread was queuing as the busy loop hooked the queue (after it counted the
+pings already queued) sends one."""
 DEFAULT_STEP_TIMEOUT = 300.0
 """vLLM's own bound on one step (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``' default)."""
 
@@ -184,6 +190,8 @@ class EngineBeat:
     """Consecutive evaluations that found :attr:`candidate`."""
     off: str | None = None
     """Why this engine's check is off (None: it is on)."""
+    misrouted: int = 0
+    """Answers in a row through the busy loop while the input thread was said to answer."""
     answers: int = 0
     failed_checks: int = 0
 
@@ -372,14 +380,19 @@ class Heartbeat:
             and reply.get("via") != VIA_INPUT_THREAD
             and reply.get(KEY_QUEUED_BEFORE_HOOK) is not True  # queued before the hook: alive
         ):
-            self.turn_off(
-                beat,
-                f"it said its input thread answers, but this answer came through "
-                f"{reply.get('via') or 'another way'} (another plugin may have replaced its "
-                "input queue), so a long step or utility call could not be told from a stuck "
-                "engine",
-            )
-            return
+            beat.misrouted += 1
+            if beat.misrouted >= MISROUTED_ANSWERS:
+                self.turn_off(
+                    beat,
+                    f"it said its input thread answers, but {beat.misrouted} answers in a row "
+                    f"came through {reply.get('via') or 'another way'} (another plugin may have "
+                    "replaced its input queue), so a long step or utility call could not be "
+                    "told from a stuck engine",
+                )
+                return
+            # One such answer is a ping that raced the hook at start-up: it is an answer.
+        else:
+            beat.misrouted = 0
         if reply.get("input_thread") is not True:
             self.turn_off(
                 beat,
