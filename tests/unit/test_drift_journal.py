@@ -9,9 +9,12 @@ eviction hook; the realsrc tier runs the same algorithm inside the drift simulat
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from cachetools import LRUCache
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_mmcache_fix.drift_guard.journal import (
     COMMITTED,
@@ -105,11 +108,11 @@ def test_a_pending_access_counts_above_every_enginecore_position() -> None:
     assert shadow.seq["a"] == PENDING_LEVEL and shadow.seq["b"] == PENDING_LEVEL + 1
     assert shadow.base == {"a": 0, "b": 1, "c": 2}
     assert first.prev_seq == {"a": 0} and first.my_seq == {"a": PENDING_LEVEL}
-    assert shadow.touched == {"a": [first], "b": [second]}
+    assert shadow.touched == {"a": {first: None}, "b": {second: None}}
     # A second touch by the same request keeps what it saw first.
     send(cache, first, "a")
     assert first.prev_seq == {"a": 0} and first.my_seq == {"a": PENDING_LEVEL + 2}
-    assert shadow.touched["a"] == [first]
+    assert list(shadow.touched["a"]) == [first]
 
 
 # -- what other requests see while one is pending ---------------------------------------
@@ -572,7 +575,7 @@ def test_a_rollback_puts_a_key_at_the_newest_move_of_the_requests_still_pending(
     send(cache, second, "bc")
     send(cache, first, "b")
     send(cache, third, "b")
-    assert shadow.touched["b"] == [first, second, third]
+    assert list(shadow.touched["b"]) == [first, second, third]
     assert shadow.rollback(third).done
     assert shadow.seq["b"] == first.my_seq["b"]
     assert order(cache) == "adcb"
@@ -678,3 +681,124 @@ def test_settle_front_drops_the_heap_entry_of_a_key_no_longer_misplaced() -> Non
     shadow.settle_front()
     assert shadow._misplaced_heap == [(5, 1, "c")] and shadow.misplaced == {"c": 5}
     assert order(cache) == "abcd"
+
+
+# -- commits in a burst ---------------------------------------------------------------
+
+
+class _CountingOrder(OrderedDict):  # type: ignore[type-arg]
+    moves = 0
+
+    def move_to_end(self, key: Any, last: bool = True) -> None:
+        type(self).moves += 1
+        super().move_to_end(key, last)
+
+
+def test_a_burst_of_commits_in_processing_order_moves_nothing_in_the_order() -> None:
+    # A batch endpoint (embeddings, chat batches) renders every input before the first
+    # reaches EngineCore: each commit then has all the others pending.
+    cache, shadow = sender("", maxsize=10_000)
+    journals = [Journal(shadow) for _ in range(600)]
+    for index, journal in enumerate(journals):
+        send(cache, journal, [f"r{index}-{j}" for j in range(3)] + ["logo"])
+    cache._LRUCache__order = _CountingOrder(cache._LRUCache__order)
+    _CountingOrder.moves = 0
+    expected = list(cache._LRUCache__order)
+    for journal in journals:
+        assert shadow.commit(journal)
+    # Each request's keys were already the oldest pending moves: where EngineCore has them.
+    assert _CountingOrder.moves == 0
+    assert list(cache._LRUCache__order) == expected
+    assert shadow.pending == {} and shadow.touched == {} and len(shadow._oldest) <= 1
+    assert [shadow.seq[k] for k in expected] == sorted(shadow.seq[k] for k in expected)
+
+
+def test_a_commit_out_of_processing_order_moves_the_other_pending_keys_above_it() -> None:
+    cache, shadow = sender("ab")
+    first, second = Journal(shadow), Journal(shadow)
+    send(cache, first, "x")
+    send(cache, second, "y")
+    assert shadow.commit(second)
+    # EngineCore has y now; x (pending) stays the newest.
+    assert order(cache) == "abyx"
+    send(cache, None, "a")  # an access outside a request: above the pending move
+    assert order(cache) == "byxa" and shadow.tail_mixed
+    third = Journal(shadow)
+    send(cache, third, "z")
+    assert shadow.commit(first)
+    assert order(cache) == "byaxz" and not shadow.tail_mixed
+
+
+def test_a_commit_that_hands_a_key_back_to_an_older_pending_move_reorders_the_pending_keys() -> (
+    None
+):
+    cache, shadow = sender("kc")
+    mine, other = Journal(shadow), Journal(shadow)
+    send(cache, mine, "a")
+    send(cache, other, "kb")  # k: the other request moved it first
+    send(cache, mine, "k")  # ... then this one
+    assert order(cache) == "cabk"
+    assert shadow.commit(mine)
+    # k goes back to the other request's move, which is older than b.
+    assert order(cache) == "cakb"
+    assert shadow.seq["k"] == other.my_seq["k"] < shadow.seq["b"]
+
+
+def test_a_commit_with_a_misplaced_key_in_the_order_moves_its_keys_to_the_end() -> None:
+    keys = list(WIDE)
+    cache, shadow = sender(keys, maxsize=len(keys) + 1)
+    mine = Journal(shadow)
+    send(cache, mine, ["x"])
+    rejected = Journal(shadow)
+    send(cache, rejected, [keys[PLACE_SCAN]])
+    shadow.rollback(rejected)
+    # Too far from either end to be put back: left at the end, behind x.
+    assert shadow.misplaced == {keys[PLACE_SCAN]: PLACE_SCAN}
+    assert list(cache._LRUCache__order)[-2:] == ["x", keys[PLACE_SCAN]]
+    assert shadow.commit(mine)
+    assert list(cache._LRUCache__order)[-1] == "x"
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(("open", "send", "commit", "rollback", "access")),
+        st.integers(min_value=0, max_value=3),
+        st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=3),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=_OPS, maxsize=st.integers(min_value=3, max_value=9))
+def test_commits_leave_the_order_as_moving_every_pending_key_would(
+    ops: list[tuple[str, int, list[str]]], maxsize: int
+) -> None:
+    """The commit that moves nothing (its keys already in place) against the one that
+    moves the request's keys and then every other pending key to the end."""
+    worlds = [sender("abcd", maxsize=maxsize) for _ in range(2)]
+    open_journals: list[list[Journal]] = [[], []]
+    for op, pick, keys in ops:
+        for side, (cache, shadow) in enumerate(worlds):
+            journals = open_journals[side]
+            if op == "open":
+                journals.append(Journal(shadow))
+            elif op == "access":
+                send(cache, None, keys)
+            elif journals:
+                journal = journals[pick % len(journals)]
+                if op == "send":
+                    send(cache, journal, keys)
+                elif op == "commit":
+                    if side == 1:
+                        shadow.tail_mixed = True  # the reference: always moves
+                    shadow.commit(journal)
+                    journals.remove(journal)
+                else:
+                    shadow.rollback(journal)
+                    journals.remove(journal)
+        (fast_cache, fast), (ref_cache, ref) = worlds
+        assert list(fast_cache._LRUCache__order) == list(ref_cache._LRUCache__order)
+        assert fast.logical_order() == ref.logical_order()
+        assert (fast.seq, fast.base, fast.misplaced) == (ref.seq, ref.base, ref.misplaced)
+        assert fast_cache._Cache__data == ref_cache._Cache__data

@@ -131,7 +131,7 @@ class Shadow:
         """key -> its position in EngineCore's order: the last access that is not pending."""
         self.owner: dict[Key, Journal] = {}
         # key -> pending journals that moved it to most-recent (it was cached already)
-        self.touched: dict[Key, list[Journal]] = {}
+        self.touched: dict[Key, dict[Journal, None]] = {}
         # keys EngineCore may have evicted while P0 kept them: sent with their data next time
         self.doubtful: set[Key] = set()
         self.pending: dict[Journal, None] = {}
@@ -142,6 +142,13 @@ class Shadow:
         """Keys a rollback left later in the order than their counter says (see ``_place``)."""
         self._misplaced_heap: list[tuple[int, int, Key]] = []
         self._ties = itertools.count()
+        self._oldest: list[tuple[int, int, Journal]] = []
+        """Heap of each pending journal's lowest position (its first access): the oldest
+        pending move, in O(log n) (resolved journals leave it when they reach the top)."""
+        self.tail_mixed = False
+        """An access outside any request's processing moved a key above pending moves: the
+        pending moves are not known to be the sorted top of the order until a commit puts
+        them there (see ``_arrive``)."""
         order = lru._LRUCache__order
         self.counter = itertools.count()
         """Positions of pending moves (above ``PENDING_LEVEL``), in processing order."""
@@ -171,14 +178,40 @@ class Shadow:
             if journal is None:
                 stamp = self.base[key] = next(self.arrivals)
                 self.seq[key] = stamp
+                if self.pending:
+                    self.tail_mixed = True
             else:
                 stamp = self.seq[key] = PENDING_LEVEL + next(self.counter)
+                if not journal.my_seq:
+                    self._note_first(journal, stamp)
                 if key not in journal.my_seq:
                     journal.prev_seq[key] = prev
                     if prev is not None:
-                        self.touched.setdefault(key, []).append(journal)
+                        self.touched.setdefault(key, {})[journal] = None
                 journal.my_seq[key] = stamp
             return stamp
+
+    def _note_first(self, journal: Journal, stamp: int) -> None:
+        heap = self._oldest
+        heapq.heappush(heap, (stamp, next(self._ties), journal))
+        if len(heap) > 2 * len(self.pending) + 64:
+            # Journals resolved out of order wait in the heap until they reach the top.
+            self._oldest = [
+                (min(j.my_seq.values(), default=stamp), next(self._ties), j)
+                for j in self.pending
+                if j.my_seq or j is journal
+            ]
+            heapq.heapify(self._oldest)
+
+    def _oldest_pending(self) -> int | None:
+        """The lowest position a pending request's move may have (None: no pending move)."""
+        heap = self._oldest
+        while heap:
+            stamp, _, journal = heap[0]
+            if journal.state == PENDING and journal.epoch == self.epoch:
+                return stamp
+            heapq.heappop(heap)
+        return None
 
     def note_update(
         self, key: Key, journal: Journal | None, present: bool, prev: int | None, with_data: bool
@@ -242,12 +275,9 @@ class Shadow:
         touched = self.touched
         for key in journal.prev_seq:
             holders = touched.get(key)
-            if holders is None:
+            if holders is None or journal not in holders:
                 continue
-            try:
-                holders.remove(journal)
-            except ValueError:
-                continue
+            del holders[journal]
             if not holders:
                 del touched[key]
 
@@ -284,10 +314,17 @@ class Shadow:
             stamp = holder.my_seq.get(key)
             if stamp is not None and (best is None or stamp > best):
                 best = stamp
-        for journal in self.touched.get(key, ()):
-            stamp = journal.my_seq.get(key)
-            if journal.state == PENDING and stamp is not None and (best is None or stamp > best):
-                best = stamp
+        holders = self.touched.get(key)
+        if holders:
+            latest = self.seq.get(key)  # no position is newer than the key's last access
+            for journal in reversed(holders):  # (the last to touch it first)
+                stamp = journal.my_seq.get(key)
+                if journal.state != PENDING or stamp is None:
+                    continue
+                if best is None or stamp > best:
+                    best = stamp
+                    if stamp == latest:
+                        break
         return best
 
     # -- resolution ---------------------------------------------------------------
@@ -322,15 +359,34 @@ class Shadow:
         base, seq = self.base, self.seq
         mine = journal.my_seq
         others = bool(self.pending)
+        # In place: the order's top is the pending moves sorted, and this request's are the
+        # oldest of them (a burst of commits in processing order: a batch endpoint renders
+        # every input first). They are then already where EngineCore's newest keys go,
+        # above every position it has and below the other pending moves: nothing moves.
+        in_place = not self.tail_mixed and not self.misplaced
+        oldest_other = self._oldest_pending() if in_place and others else None
+        newest: list[Key] = []
         for key in sorted(mine, key=mine.__getitem__):
             stamp = base[key] = next(self.arrivals)
             if key not in data:
                 # Evicted here while pending; a rollback may put it back: at this place.
                 continue
+            before = seq.get(key)
             position = self._position(key) if others else None
-            seq[key] = stamp if position is None else position
-            if seq[key] == stamp and key in order:
-                order.move_to_end(key)
+            now = seq[key] = stamp if position is None else position
+            if key not in order:
+                continue
+            if now == stamp:
+                newest.append(key)
+                if before != mine[key] or (oldest_other is not None and before >= oldest_other):
+                    in_place = False
+            elif now != before:
+                in_place = False
+        if in_place:
+            return
+        for key in newest:
+            order.move_to_end(key)
+        self.tail_mixed = False
         if not others:
             return
         above: dict[Key, int] = {}
@@ -453,6 +509,8 @@ class Shadow:
             self.epoch += 1
             self.owner.clear()
             self.touched.clear()
+            self._oldest = []
+            self.tail_mixed = False
             self.doubtful.clear()
             self.pending.clear()
             self.misplaced.clear()
