@@ -9,12 +9,11 @@ eviction hook; the realsrc tier runs the same algorithm inside the drift simulat
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from typing import Any
 
 from cachetools import LRUCache
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from vllm_mmcache_fix.drift_guard.journal import (
     COMMITTED,
@@ -713,6 +712,20 @@ def test_a_burst_of_commits_in_processing_order_moves_nothing_in_the_order() -> 
     assert [shadow.seq[k] for k in expected] == sorted(shadow.seq[k] for k in expected)
 
 
+def test_the_heap_of_oldest_pending_moves_stays_within_twice_the_pending_plus_64() -> None:
+    cache, shadow = sender("abc", maxsize=8)
+    oldest = Journal(shadow)
+    send(cache, oldest, "a")  # pending all along: the resolved ones stay below it
+    largest = 0
+    for index in range(500):
+        journal = Journal(shadow)
+        send(cache, journal, [f"x{index}"])
+        assert shadow.commit(journal)
+        largest = max(largest, len(shadow._oldest))
+    assert largest == 2 * 2 + 64  # (two pending at each push)
+    assert shadow._oldest_pending() == oldest.my_seq["a"]
+
+
 def test_a_commit_out_of_processing_order_moves_the_other_pending_keys_above_it() -> None:
     cache, shadow = sender("ab")
     first, second = Journal(shadow), Journal(shadow)
@@ -759,46 +772,62 @@ def test_a_commit_with_a_misplaced_key_in_the_order_moves_its_keys_to_the_end() 
     assert list(cache._LRUCache__order)[-1] == "x"
 
 
-_OPS = st.lists(
-    st.tuples(
-        st.sampled_from(("open", "send", "commit", "rollback", "access")),
-        st.integers(min_value=0, max_value=3),
-        st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=3),
-    ),
-    max_size=40,
-)
+class _Moving(Shadow):
+    """The reference: every commit moves the request's keys and then every other pending
+    key to the end, and a key's place is the newest of all its pending moves."""
+
+    def _arrive(self, journal: Journal) -> None:
+        self.tail_mixed = True
+        super()._arrive(journal)
+
+    def _position(self, key: Any) -> int | None:
+        stamps = [self.base.get(key)]
+        holder = self.owner.get(key)
+        if holder is not None and holder.state == PENDING and holder.epoch == self.epoch:
+            stamps.append(holder.my_seq.get(key))
+        for journal in self.touched.get(key, ()):
+            if journal.state == PENDING:
+                stamps.append(journal.my_seq.get(key))
+        return max((s for s in stamps if s is not None), default=None)
 
 
-@settings(max_examples=500, deadline=None)
-@given(ops=_OPS, maxsize=st.integers(min_value=3, max_value=9))
-def test_commits_leave_the_order_as_moving_every_pending_key_would(
-    ops: list[tuple[str, int, list[str]]], maxsize: int
-) -> None:
-    """The commit that moves nothing (its keys already in place) against the one that
-    moves the request's keys and then every other pending key to the end."""
-    worlds = [sender("abcd", maxsize=maxsize) for _ in range(2)]
-    open_journals: list[list[Journal]] = [[], []]
-    for op, pick, keys in ops:
-        for side, (cache, shadow) in enumerate(worlds):
-            journals = open_journals[side]
-            if op == "open":
-                journals.append(Journal(shadow))
-            elif op == "access":
-                send(cache, None, keys)
-            elif journals:
-                journal = journals[pick % len(journals)]
-                if op == "send":
-                    send(cache, journal, keys)
-                elif op == "commit":
-                    if side == 1:
-                        shadow.tail_mixed = True  # the reference: always moves
-                    shadow.commit(journal)
-                    journals.remove(journal)
-                else:
-                    shadow.rollback(journal)
-                    journals.remove(journal)
-        (fast_cache, fast), (ref_cache, ref) = worlds
-        assert list(fast_cache._LRUCache__order) == list(ref_cache._LRUCache__order)
-        assert fast.logical_order() == ref.logical_order()
-        assert (fast.seq, fast.base, fast.misplaced) == (ref.seq, ref.base, ref.misplaced)
-        assert fast_cache._Cache__data == ref_cache._Cache__data
+def _reference(keys: str, maxsize: int) -> tuple[Cache, Shadow]:
+    cache = Cache(maxsize)
+    for key in keys:
+        cache[key] = key.upper()
+    cache.shadow = _Moving(cache)
+    return cache, cache.shadow
+
+
+def test_commits_leave_the_order_as_moving_every_pending_key_would() -> None:
+    """The commit that moves nothing (its keys already in place) and the early end of the
+    search for a key's place, against moving every pending key and searching them all:
+    seeded random traffic of up to four pending requests over eight keys, compared after
+    every step."""
+    for seed in range(3000):
+        rng = random.Random(seed)
+        maxsize = rng.randint(3, 9)
+        worlds = [sender("abcd", maxsize=maxsize), _reference("abcd", maxsize)]
+        open_journals: list[list[Journal]] = [[], []]
+        for _ in range(40):
+            op = rng.choice(("open", "send", "commit", "rollback", "access"))
+            pick, keys = rng.randint(0, 3), rng.sample("abcdefgh", rng.randint(1, 3))
+            for side, (cache, shadow) in enumerate(worlds):
+                journals = open_journals[side]
+                if op == "open":
+                    journals.append(Journal(shadow))
+                elif op == "access":
+                    send(cache, None, keys)
+                elif journals:
+                    journal = journals.pop(pick % len(journals))
+                    if op == "send":
+                        send(cache, journal, keys)
+                        journals.insert(pick % (len(journals) + 1), journal)
+                    elif op == "commit":
+                        shadow.commit(journal)
+                    else:
+                        shadow.rollback(journal)
+            (fast_cache, fast), (ref_cache, ref) = worlds
+            assert list(fast_cache._LRUCache__order) == list(ref_cache._LRUCache__order), seed
+            assert (fast.seq, fast.base, fast.misplaced) == (ref.seq, ref.base, ref.misplaced)
+            assert fast_cache._Cache__data == ref_cache._Cache__data, seed

@@ -315,16 +315,17 @@ class Shadow:
             if stamp is not None and (best is None or stamp > best):
                 best = stamp
         holders = self.touched.get(key)
-        if holders:
-            latest = self.seq.get(key)  # no position is newer than the key's last access
-            for journal in reversed(holders):  # (the last to touch it first)
-                stamp = journal.my_seq.get(key)
-                if journal.state != PENDING or stamp is None:
-                    continue
-                if best is None or stamp > best:
-                    best = stamp
-                    if stamp == latest:
-                        break
+        if not holders:
+            return best
+        # A pending move that is the key's last access is the newest there is (pending
+        # moves count up; an access that reached EngineCore since may be below them).
+        latest = self.seq.get(key)
+        for journal in reversed(holders):  # (the last to touch it first)
+            if best is not None and best == latest and best >= PENDING_LEVEL:
+                break
+            stamp = journal.my_seq.get(key)
+            if journal.state == PENDING and stamp is not None and (best is None or stamp > best):
+                best = stamp
         return best
 
     # -- resolution ---------------------------------------------------------------
