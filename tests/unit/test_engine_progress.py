@@ -110,6 +110,38 @@ def test_a_long_chunked_prefill_progresses_every_step() -> None:
     assert p.empty_steps == 0
 
 
+def test_a_saturated_engine_whose_requests_finish_in_their_step_progresses() -> None:
+    # max_tokens=1, scoring, embeddings: every scheduled request finishes in its step, and
+    # as many arrive before the next one, so the scheduler holds as many as before.
+    sched, p = Scheduler(), Progress()
+    arrived = 0
+    for t in range(1, 2000):  # 100 s of 50 ms steps, 16 requests a step, 16 more waiting
+        while len(sched.requests) < 32:
+            sched.add(Request(f"r{arrived}"))
+            p.added(t * 0.05, len(sched.requests))
+            arrived += 1
+        for request in [sched.admit() for _ in range(16)]:
+            sched.running.remove(request)  # finished within the step (no token computed)
+            del sched.requests[request.request_id]
+        p.after_step(sched, t * 0.05 + 0.05)
+        assert not sched.running and len(sched.waiting) == 16
+        assert p.stalled_s(sched, t * 0.05 + 0.05) <= 0.05, t
+    assert p.empty_steps == 0
+
+
+def test_an_add_the_scheduler_did_not_take_is_no_progress() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("stuck"))
+    p.added(0.0, len(sched.requests))
+    p.after_step(sched, 1.0)
+    p.added(1.5, len(sched.requests))  # (a streamed input for a request it holds)
+    p.after_step(sched, 2.0)
+    sched.add(Request("new"))
+    p.added(2.5, len(sched.requests))
+    p.after_step(sched, 3.0)
+    assert p.stalled_s(sched, 10.0) == 10.0 and p.empty_steps == 3
+
+
 def test_a_preemption_cascade_recomputes_without_net_progress() -> None:
     sched, p = Scheduler(), Progress()
     r = Request("a")

@@ -352,9 +352,12 @@ class EngineLivenessAnswer(Fix):
             record, previous = token
             record.loop.leave(previous)
 
-    def after_request(self, token: tuple[Adopted, RawPhase] | None, since: float) -> None:
+    def after_request(
+        self, token: tuple[Adopted, RawPhase] | None, since: float, engine: Any = None
+    ) -> None:
         """An add, abort, utility call or wait for the peers returned: the progress clock
-        learns of it (the time of a call or a wait does not count)."""
+        learns of it (the time of a call or a wait does not count; after an add, how many
+        requests ``engine``'s scheduler holds)."""
         if token is None or not self.progressing:
             return
         with self._progress_site:
@@ -362,7 +365,9 @@ class EngineLivenessAnswer(Fix):
             state = record.loop.phase.state
             now = time.monotonic()
             if state == ADD:
-                record.progress.added(now)
+                scheduler = engine.__dict__.get(SCHEDULER_ATTR) if engine is not None else None
+                held = getattr(scheduler, "requests", None)
+                record.progress.added(now, None if held is None else len(held))
             elif state == ABORT:
                 record.progress.aborted(now)
             elif state in (UTILITY, SYNC):
@@ -665,7 +670,7 @@ def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:
             result = original(self, *args, **kwargs)
         finally:
             if token is not None:
-                fix.after_request(token, token[0].loop.phase.since)
+                fix.after_request(token, token[0].loop.phase.since, self)
                 fix.leave(token)
         return result
 

@@ -6,7 +6,8 @@ ping answered. So the busy loop records, after each step and in O(1), whether th
 made **net progress**:
 
 - a request finished or was aborted (the scheduler holds fewer requests than after the last
-  step), or
+  step or add: a saturated engine whose every request finishes in its step, as many
+  arriving meanwhile, progresses), or
 - the first running request's computed tokens passed their high-water mark (a request
   preempted and recomputed does not progress until it passes the point it had reached).
 
@@ -64,7 +65,7 @@ class Progress:
         self.work = False
         """Eligible work waited after the last step (or an add)."""
         self.requests = 0
-        """``len(scheduler.requests)`` after the last step."""
+        """``len(scheduler.requests)`` after the last step or add."""
         self.empty_steps = 0
         """Steps that made no net progress while eligible work waited."""
         self.steps = 0
@@ -89,8 +90,11 @@ class Progress:
         cut = timed % RECENT_STEPS
         return ring[cut:] + ring[:cut]
 
-    def added(self, now: float) -> None:
-        """A request was added: the clock starts now if nothing waited."""
+    def added(self, now: float, held: int | None = None) -> None:
+        """A request was added (the scheduler ``held`` this many requests then): the clock
+        starts now if nothing waited."""
+        if held is not None:
+            self.requests = held
         if not self.work:
             self.work = True
             self.since = now
