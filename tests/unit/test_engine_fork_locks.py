@@ -116,3 +116,71 @@ def test_renewing_the_locks_builds_no_fix() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.strip()
     assert out == "[]", out
+
+
+CACHES_PROGRAM = textwrap.dedent(
+    """
+    import os, queue, sys, threading, time
+    sys.setswitchinterval(1e-6)
+    from cachetools import LRUCache
+    from vllm_mmcache_fix import plugin
+    from vllm_mmcache_fix.lru_eviction import stats
+
+    plugin.declarations()  # every fix's counts readable, as in a serving process
+    fix = plugin.ENGINE_ANSWER
+    fix.install()
+
+    class MultiModalProcessorCacheItemMetadata:  # the sender cache's value type
+        pass
+
+    sender = LRUCache(8)
+    stats.track(sender, MultiModalProcessorCacheItemMetadata)
+    assert any("|sender|" in key for key in plugin.counts())
+
+    class Engine:
+        def __init__(self):
+            self.input_queue = queue.Queue()
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with stats._lock:  # the metrics thread reading the cache counts at the fork
+            held.set()
+            done.wait(60)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        engine = Engine()
+        fix.adopt(engine)
+        counts = fix.answer(engine).get("counts")
+        os._exit(0 if counts is not None and not any("|sender|" in k for k in counts) else 4)
+    deadline = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            done.set()
+            print("child exit", os.waitstatus_to_exitcode(status))
+            sys.exit(os.waitstatus_to_exitcode(status))
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    done.set()
+    print("child blocked")
+    sys.exit(3)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_answers_without_the_parents_caches_or_their_held_lock() -> None:
+    # EngineCore forked by the API server (GPU images): the parent's sender cache is the
+    # parent's to report, and its counters' lock may be held by the metrics thread then.
+    result = subprocess.run(
+        [sys.executable, "-c", CACHES_PROGRAM, str(CHILD_DEADLINE_S)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_DEADLINE_S + 60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

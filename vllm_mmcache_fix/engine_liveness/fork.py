@@ -8,7 +8,9 @@ exist: the child's first ping answer would block on it and the engine would look
 So, after a fork, the child replaces the locks made at import that the answer path and the
 adoption of the engine take (the counters, the signals, the registry of patches, the import
 hooks, each fix's own). What they guarded is plain counters and tables: at worst one count
-is lost, never a thread blocked. Only modules already imported are touched.
+is lost, never a thread blocked. Only modules already imported are touched. (The cache
+counters, ``lru_eviction.stats``, start over in the child by themselves: the caches they
+tracked are the parent's.)
 """
 
 from __future__ import annotations

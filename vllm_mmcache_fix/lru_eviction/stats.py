@@ -18,6 +18,7 @@ for (``MultiModalCache.get_lru_cache(capacity_gb, value_type)``, the same three 
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -182,6 +183,21 @@ _lock = threading.Lock()
 _tracked: list[tuple[weakref.ref[Any], str, CacheStats]] = []
 _departed: dict[str, CacheStats] = {}
 """Counters of caches that were garbage-collected, per role: the totals never go backwards."""
+
+
+def _forget_the_parents_caches() -> None:
+    """In a forked child (EngineCore forked by the API server or an ``LLM(...)`` script):
+    the caches tracked so far are the parent's, which reports them (the child would report
+    the parent's sender cache as its own); and a lock a parent's thread held at the fork
+    stays held here (the child's first ping answer, which reads these counts, would block)."""
+    global _lock, _tracked, _departed
+    _lock = threading.Lock()
+    _tracked = []
+    _departed = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_parents_caches)
 
 
 def track(cache: Any, value_type: Any) -> None:
