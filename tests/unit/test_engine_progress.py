@@ -7,13 +7,14 @@ import asyncio
 import collections
 import enum
 import logging
+import math
 from typing import Any
 
 import pytest
 
 from vllm_mmcache_fix.core.messages import ENGINE_ANSWERS_AGAIN
 from vllm_mmcache_fix.core.settings import DEFAULT_PROGRESS_TIMEOUT, read_progress_timeout
-from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, Heartbeat
+from vllm_mmcache_fix.engine_liveness.heartbeat import ENGINE_NO_PROGRESS, Heartbeat, Liveness
 from vllm_mmcache_fix.engine_liveness.progress import RECENT_STEPS, Progress, eligible
 
 
@@ -360,3 +361,19 @@ def test_stalled_is_never_negative_when_read_before_the_clock() -> None:
     p.added(50.0)
     # The input thread took ``until`` just before the busy loop moved ``since``.
     assert p.stalled_s(sched, 49.0) == 0.0
+
+
+def test_an_engine_whose_check_turned_off_has_no_seconds_without_progress() -> None:
+    # Its last figure would stay on the gauge (and any alert on it) for the server's life.
+    liveness = Liveness(10.0)
+    client = Client()
+    beat = Heartbeat(client, 10.0)
+    liveness.heartbeats[client] = beat
+    beat.beats[0].progress = {"stalled_s": 50.0}
+    assert liveness.progress_figures() == [
+        {"engine": "EngineCore", "stalled_s": 50.0, "verdicts": {}}
+    ]
+    beat.beats[0].off = "the answer's hook was lost"
+    (figure,) = liveness.progress_figures() or []
+    assert figure["engine"] == "EngineCore" and math.isnan(figure["stalled_s"])
+    assert math.isnan(liveness.ages()["EngineCore"])

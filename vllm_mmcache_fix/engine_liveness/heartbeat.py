@@ -638,13 +638,18 @@ class Liveness:
 
     def progress_figures(self) -> list[dict[str, Any]] | None:
         """Per engine, from the first API server only (as :meth:`engine_counts`): seconds
-        without net progress, empty steps, the step-duration histogram, verdicts by class."""
+        without net progress, empty steps, the step-duration histogram, verdicts by class.
+        An engine whose check is off has NaN seconds (as its last answer's age): its last
+        figure would stay on the gauge for the server's life."""
         for beat in self._all():
             if beat.client_index != 0 or beat.stopped is not None:
                 continue
             out: list[dict[str, Any]] = []
             for engine in list(beat.beats):
-                if engine.off is not None or engine.progress is None:
+                if engine.off is not None:
+                    out.append({"engine": engine.name, "stalled_s": math.nan})
+                    continue
+                if engine.progress is None:
                     continue
                 out.append({"engine": engine.name, **engine.progress, "verdicts": engine.verdicts})
             return out or None
