@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from vllm_mmcache_fix.core.declaration import ENGINE_NAME_KEY
 from vllm_mmcache_fix.lru_eviction import stats
 from vllm_mmcache_fix.metrics import names as n
-from vllm_mmcache_fix.metrics.exporter import Deltas, plan
+from vllm_mmcache_fix.metrics.exporter import Deltas, engine_labels, plan
 
 
 def engine(name: str, hits: int, entries: int) -> dict[str, int]:
@@ -105,3 +106,24 @@ def test_the_role_comes_from_the_value_type_vllm_names() -> None:
     ):
         assert stats.role_of(type(name, (), {})) == role
     assert stats.role_of(None) == stats.ROLE_OTHER
+
+
+def test_engines_whose_processes_share_a_name_keep_their_own_series() -> None:
+    # Ray actors may all be named MainProcess: one slot for two engines would read each
+    # other's counts as resets, and every sync would add them again.
+    first = {**engine("MainProcess", 140, 2), ENGINE_NAME_KEY: "EngineCore_DP0"}
+    second = {**engine("MainProcess", 100, 3), ENGINE_NAME_KEY: "EngineCore_DP1"}
+    deltas = Deltas()
+    got = by_key(plan(deltas, {}, [first, second]))
+    assert got[(n.MM_CACHE_HITS, labels("receiver", "EngineCore_DP0", "image"))] == ("inc", 140.0)
+    assert got[(n.MM_CACHE_HITS, labels("receiver", "EngineCore_DP1", "image"))] == ("inc", 100.0)
+    for _ in range(3):  # nothing happened: nothing rises
+        again = by_key(plan(deltas, {}, [first, second]))
+        rises = {key: value for key, value in again.items() if value[0] == "inc" and value[1]}
+        assert rises == {}
+
+
+def test_engine_labels_are_never_the_same_for_two_engines() -> None:
+    same = {**engine("MainProcess", 1, 1), ENGINE_NAME_KEY: "EngineCore"}
+    assert engine_labels([same, same]) == ["EngineCore#0", "EngineCore#1"]
+    assert engine_labels([engine("EngineCore_DP3", 1, 1)]) == ["EngineCore_DP3"]

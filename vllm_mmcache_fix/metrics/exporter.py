@@ -108,9 +108,9 @@ def plan(
         else:
             labels = count.labels
         export(count, labels, _num(local, count.key))
+    engines = list(engines) if engines is not None else None
+    names = engine_labels(engines or ())
     if engines is not None:
-        engines = list(engines)
-        names = [_engine_label(e, i, len(engines)) for i, e in enumerate(engines)]
         for count in table:
             if not count.process_label:
                 continue
@@ -133,22 +133,38 @@ def plan(
         updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
     gauges: set[tuple[str, Labels]] = set()
     _cache_updates(local, "", counter, updates, gauges)
-    for index, counts in enumerate(engines or ()):
-        _cache_updates(
-            counts, _engine_label(counts, index, len(engines or ())), counter, updates, gauges
-        )
+    for counts, name in zip(engines or (), names):
+        _cache_updates(counts, name, counter, updates, gauges)
     for metric, labels in sorted(deltas.gauges - gauges):
         updates.append((metric, labels, "set", 0.0))
     deltas.gauges = gauges
     return updates
 
 
-def _engine_label(counts: Mapping[str, Any], index: int, count: int) -> str:
-    """The engine's process name as it reports it (vLLM's ``EngineCore``/``EngineCore_DP<N>``,
-    the names of the engine's other series)."""
+def engine_labels(engines: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each engine's ``engine`` label: its process name as it reports it (vLLM's
+    ``EngineCore``/``EngineCore_DP<N>``, the names of the engine's other series), else the
+    name the heartbeat gives it. Never the same for two engines (processes that share a
+    name, as Ray actors may, take the heartbeat's names): two engines in one slot would
+    read each other's counts as resets, and their counters would climb at every sync."""
+    reported = [_reported_name(counts) for counts in engines]
+    heartbeat = [_heartbeat_name(counts, i, len(engines)) for i, counts in enumerate(engines)]
+    names = [mine or theirs for mine, theirs in zip(reported, heartbeat)]
+    if len(set(names)) < len(names):
+        names = heartbeat
+    if len(set(names)) < len(names):
+        names = [f"{name}#{index}" for index, name in enumerate(names)]
+    return names
+
+
+def _reported_name(counts: Mapping[str, Any]) -> str | None:
     for key in counts:
         if isinstance(key, str) and key.startswith(cache_stats.KEY_PROCESS):
             return key[len(cache_stats.KEY_PROCESS) :]
+    return None
+
+
+def _heartbeat_name(counts: Mapping[str, Any], index: int, count: int) -> str:
     name = counts.get(ENGINE_NAME_KEY)
     if isinstance(name, str) and name:
         return name
