@@ -6,7 +6,9 @@ collaborators are small stand-ins (the input processor's ``process_inputs`` is t
 plugin's real wrapper around a body building the request; EngineCore is the real receiver
 cache). The sender cache, ``_merge_mm_kwargs`` and the receiver cache are vLLM's own.
 Request 1 is admitted, request 2 (a new image) is refused (the queue is full), request 3
-sends request 2's image once the queue has room. Prints one ``RESULT {json}`` line.
+sends request 2's image once the queue has room: once with rendered prompts, and (with
+admission control) once with raw prompts, whose ``process_inputs`` vLLM runs in an executor
+thread through its own ``make_async``. Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations
@@ -77,6 +79,23 @@ class InputProcessor:
         pass
 
 
+def _build_raw(self: Any, request_id: str, prompt: dict, params: Any, **kwargs: Any) -> Any:
+    # A raw prompt is processed (its images merged into the sender cache) inside.
+    return _build(self, request_id, render(prompt["images"]), params)
+
+
+class RawInputProcessor(InputProcessor):
+    process_inputs = processor.wrap_process_inputs(drift.GUARD, _build_raw)
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm.utils.async_utils import make_async
+
+        # As vLLM's InputProcessor.__init__ (0.32): the call runs in an executor thread.
+        self.process_inputs_async = make_async(self.process_inputs, executor=ThreadPoolExecutor(1))
+
+
 class OutputProcessor:
     def __init__(self) -> None:
         self.requests: dict[str, Any] = {}
@@ -134,26 +153,41 @@ def make_engine() -> Any:
     return engine
 
 
-async def main() -> dict[str, Any]:
+async def three_requests(raw: bool, images: tuple[str, str]) -> dict[str, Any]:
+    """Request 1 admitted, request 2 refused, request 3 with request 2's image."""
     engine = make_engine()
+    if raw:
+        engine.input_processor = RawInputProcessor()
+    received.clear()
+    before = dict(drift.status()["counts"])
     outcomes = []
-    for request_id, hashes in (("r1", ["a"]), ("r2", ["b"]), ("r3", ["b"])):
+    for request_id, image in (("r1", images[0]), ("r2", images[1]), ("r3", images[1])):
         if request_id == "r3":
             engine.output_processor.requests.clear()  # r1 finished: room in the queue
+        prompt = {"prompt": "hi", "images": [image]} if raw else render([image])
         try:
-            await engine.add_request(request_id, render(hashes), SamplingParams(max_tokens=1))
+            await engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
             outcomes.append("added")
         except Exception as exc:
             outcomes.append(type(exc).__name__)
+    after = drift.status()["counts"]
     return {
-        "vllm": vllm.__version__,
-        "admission_control": hasattr(AsyncLLM, "check_admission"),
-        "patched": sorted(status["patched"]),
         "outcomes": outcomes,
-        "engine_core": received,
-        "counts": drift.status()["counts"],
+        "engine_core": list(received),
+        "counts": {key: after[key] - before.get(key, 0) for key in after},
         "p0": sorted(p0._cache._Cache__data),
         "p1": sorted(p1._cache._Cache__data),
+    }
+
+
+async def main() -> dict[str, Any]:
+    admission = hasattr(AsyncLLM, "check_admission")
+    return {
+        "vllm": vllm.__version__,
+        "admission_control": admission,
+        "patched": sorted(status["patched"]),
+        **await three_requests(False, ("a", "b")),
+        "raw": await three_requests(True, ("c", "d")) if admission else None,
     }
 
 

@@ -51,3 +51,9 @@ def test_a_request_refused_by_admission_control_is_rolled_back(version: str, vll
     assert got["engine_core"] == ["ok", "ok"]
     assert got["counts"]["commits"] == 2 and got["counts"]["rollbacks"] == 1
     assert got["p0"] == got["p1"] == ["a", "b"]
+    # A raw prompt: vLLM processes it in an executor thread, outside the call's context.
+    raw = got["raw"]
+    assert raw["outcomes"] == ["added", "QueueOverflowError", "added"]
+    assert raw["engine_core"] == ["ok", "ok"]
+    assert raw["counts"]["commits"] == 2 and raw["counts"]["rollbacks"] == 1
+    assert raw["p0"] == raw["p1"] == ["a", "b", "c", "d"]

@@ -7,8 +7,10 @@ vLLM 0.32 added admission control to ``AsyncLLM`` (``--max-num-queued-reqs``,
 would then record changes EngineCore never sees.
 
 Where ``AsyncLLM`` has ``check_admission``, its ``add_request`` opens a :class:`Handoff`
-(a context variable: the request's own task, whatever else the event loop runs);
-``process_inputs`` stages the request's journals there instead of committing them;
+(a context variable: the request's own task, whatever else the event loop runs; and by its
+prompt object, for a raw prompt, whose ``process_inputs`` vLLM runs in an executor thread
+without the call's context); ``process_inputs`` stages the request's journals there instead
+of committing them;
 ``check_admission`` commits them when it admits the request and rolls them back when it
 rejects it; what is left when ``add_request`` ends is committed when it returned (a path
 without the check) and rolled back when it raised. Releases without admission control
@@ -22,6 +24,7 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+from ..core.signatures import ArgReader, SignatureMismatch, reader
 from .journal import Journal
 from .state import GuardState
 
@@ -43,14 +46,50 @@ _current: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar(
 )
 
 
-def staging() -> Handoff | None:
-    """The open hand-off of the request being added in this context, if any.
+_by_prompt: dict[int, tuple[Handoff, ...]] = {}
+"""``id(prompt)`` -> the open hand-offs of the ``add_request`` calls given that prompt object.
+Replaced whole on the event loop, read from the executor thread (a tuple: never seen
+half-changed)."""
+
+
+def staging(prompt: Any = None) -> Handoff | None:
+    """The open hand-off of the request being added in this context, or of the one
+    ``add_request`` call given ``prompt`` (none when several calls share that object).
 
     (A task ``add_request`` started inherits its context: once the call has ended, its
     hand-off is closed and such a task commits at ``process_inputs``.)
     """
     handoff = _current.get()
+    if handoff is None and prompt is not None:
+        open_with = _by_prompt.get(id(prompt), ())
+        handoff = open_with[0] if len(open_with) == 1 else None
     return handoff if handoff is not None and handoff.open else None
+
+
+def _open(prompt: Any, handoff: Handoff) -> int | None:
+    if prompt is None:
+        return None
+    key = id(prompt)
+    _by_prompt[key] = (*_by_prompt.get(key, ()), handoff)
+    return key
+
+
+def _close(key: int | None, handoff: Handoff) -> None:
+    handoff.open = False
+    if key is None:
+        return
+    rest = tuple(h for h in _by_prompt.get(key, ()) if h is not handoff)
+    if rest:
+        _by_prompt[key] = rest
+    else:
+        _by_prompt.pop(key, None)
+
+
+def _prompt_reader(orig: Callable[..., Any]) -> ArgReader | None:
+    try:
+        return reader(orig, "prompt", what="add_request")
+    except SignatureMismatch:
+        return None  # the context alone (a rendered prompt's process_inputs runs there)
 
 
 def _resolve(st: GuardState, handoff: Handoff, admitted: bool, why: str) -> None:
@@ -65,25 +104,27 @@ def _resolve(st: GuardState, handoff: Handoff, admitted: bool, why: str) -> None
 def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
     st: GuardState = guard.state
     s_open, s_commit, s_rollback = st.sites.inputs
+    prompt_arg = _prompt_reader(orig)
 
     async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handoff = None
+        handoff = key = None
         with s_open:
             if st.live and callable(getattr(type(self), ADMISSION_CHECK, None)):
                 handoff = Handoff()
+                key = _open(prompt_arg.get(args, kwargs) if prompt_arg else None, handoff)
         if handoff is None:
             return await orig(self, *args, **kwargs)
         token = _current.set(handoff)
         try:
             result = await orig(self, *args, **kwargs)
         except BaseException:
-            handoff.open = False
             _current.reset(token)
+            _close(key, handoff)
             with s_rollback:
                 _resolve(st, handoff, False, "rejected before reaching EngineCore")
             raise
-        handoff.open = False
         _current.reset(token)
+        _close(key, handoff)
         with s_commit:
             _resolve(st, handoff, True, "")
         return result

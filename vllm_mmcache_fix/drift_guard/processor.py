@@ -164,8 +164,10 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
         with s_inputs_after:
             if st.live:
                 replay = None
-                handoff = staging()  # admission control may still refuse the request
-                for record in st.pending.records_of(prompt_arg.get(args, kwargs), collector):
+                # Admission control may still refuse the request.
+                prompt = prompt_arg.get(args, kwargs)
+                handoff = staging(prompt)
+                for record in st.pending.records_of(prompt, collector):
                     if record.journal is None:
                         pass
                     elif handoff is not None:
