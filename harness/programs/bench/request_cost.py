@@ -15,6 +15,11 @@ it). Two figures, both measured in one run against vLLM without the plugin:
 * **per rollback**, with 1k, 10k and 50k entries in the sender cache: a request that
   touched a cached entry in the middle of the order and inserted a new image (evicting
   the oldest) is rejected; the time of the rollback alone.
+* **per request of a burst**, of 100, 1,000 and 3,000 requests all processed before the
+  first reaches EngineCore (a batch endpoint renders every input first), each with three
+  new images and one shared by all: the commits, one after another on the event loop, as
+  ``process_inputs`` runs them; against the same requests' multimodal path without the
+  plugin, for scale.
 
 Results go to ``compat/request_cost.json`` (``--json``), naming the plugin's commit.
 """
@@ -36,6 +41,7 @@ from harness.paths import REPO_ROOT
 RESULTS = REPO_ROOT / "compat" / "request_cost.json"
 TOKENS = (2_048, 32_768, 131_072)
 CACHE_SIZES = (1_000, 10_000, 50_000)
+BURSTS = (100, 1_000, 3_000)
 ITEM = 1_000  # bytes of metadata size per cached item (the capacity counts items)
 
 
@@ -236,6 +242,51 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
     }
 
 
+def per_burst(v: dict[str, Any], requests: int, rounds: int) -> dict[str, Any]:
+    from vllm_mmcache_fix import drift_guard as drift
+    from vllm_mmcache_fix.drift_guard import processor
+
+    def render(sender: Any, merge: Any, n: int) -> Any:
+        hashes = [f"r{n}-{i}" for i in range(3)] + ["shared"]
+        cached = sender.is_cached(hashes)
+        mm_kwargs, _ = merge(
+            _STUB,
+            sender,
+            mm_hashes={"image": hashes},
+            mm_is_cached={"image": cached},
+            mm_missing_kwargs={"image": [v["item"]() for c in cached if not c]},
+            mm_missing_prompt_updates={"image": [[] for c in cached if not c]},
+        )
+        return {"mm_kwargs": mm_kwargs, "mm_hashes": {"image": hashes}}
+
+    commits: list[float] = []
+    paths: list[float] = []
+    for _ in range(rounds):
+        drift.uninstall()
+        sender, merge = v["make_sender"](8 * requests), v["merge"]()
+        t0 = time.perf_counter()
+        for n in range(requests):
+            _build(None, f"r{n}", render(sender, merge, n), None)
+        paths.append((time.perf_counter() - t0) / requests)
+        drift.install()
+        sender, merge = v["make_sender"](8 * requests), v["merge"]()
+        process_inputs = processor.wrap_process_inputs(drift.GUARD, _build)
+        prompts = [render(sender, merge, n) for n in range(requests)]
+        t0 = time.perf_counter()
+        for n, prompt in enumerate(prompts):
+            process_inputs(None, f"r{n}", prompt, None)
+        commits.append(time.perf_counter() - t0)
+        assert drift.status()["counts"]["commits"] >= requests
+    drift.uninstall()
+    total = statistics.median(commits)
+    return {
+        "requests": requests,
+        "commits_ms_total": round(total * 1e3, 2),
+        "commit_us_per_request": round(total / requests * 1e6, 1),
+        "request_path_without_plugin_us": round(statistics.median(paths) * 1e6, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -254,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "per_request": [per_request(v, t, args.rounds, args.requests) for t in TOKENS],
         "per_rollback": [per_rollback(v, n, args.rollbacks) for n in CACHE_SIZES],
+        "per_request_of_a_burst": [per_burst(v, n, args.rounds) for n in BURSTS],
     }
     text = json.dumps(result, indent=2)
     print(text)
