@@ -103,6 +103,14 @@ def test_data_values_of_sensitive_keys(name: str, secret: str) -> None:
     assert out["count"] == 3 and out["api_key_set"] is True
 
 
+def test_everything_under_a_secrets_name_is_redacted() -> None:
+    data = {"token": {"value": "Zq9abc", "scopes": ["Zq9read"]}, "port": 8000}
+    assert redact_data(data) == {
+        "token": {"value": REDACTED, "scopes": [REDACTED]},
+        "port": 8000,
+    }
+
+
 def test_the_named_options_and_words() -> None:
     for name in ("--api-key", "--hf-token", "--ssl-keyfile", "HF_TOKEN", "DB_PASSWORD", "Secret"):
         assert is_sensitive(name), name
@@ -110,6 +118,68 @@ def test_the_named_options_and_words() -> None:
         assert not is_sensitive(name), name
     assert redact_argv(["--api-key", "--port", "1"]) == ["--api-key", "--port", "1"]
     assert redact_text("http://user:pw123@host:8000/") == f"http://user:{REDACTED}@host:8000/"
+
+
+@given(name=NAME, secret=SECRET, quote=st.sampled_from(["'", '"']), depth=st.integers(1, 4))
+def test_a_secret_nested_in_a_mapping_at_any_depth(
+    name: str, secret: str, quote: str, depth: int
+) -> None:
+    q = quote
+    inner = f"{{{q}{name}{q}: {q}{secret}{q}, {q}port{q}: 8000}}"
+    for level in range(depth):
+        inner = f"{{{q}level_{level}_config{q}: {inner}}}"
+    for text in (inner, f"error: bad config {inner}", f"--kv-transfer-config {inner}"):
+        out = redact_text(text)
+        assert secret not in out, (text, out)
+        assert f"{q}{name}{q}: {q}{REDACTED}{q}" in out
+        assert f"{q}port{q}: 8000" in out
+        assert redact_text(out) == out
+    argv = ["vllm", "serve", "m", "--kv-transfer-config", inner, "--port", "8000"]
+    assert secret not in " ".join(redact_argv(argv))
+
+
+def test_the_json_option_value_of_the_report() -> None:
+    config = '{"kv_connector_extra_config": {"api_key": "sk-abc"}}'
+    assert (
+        redact_text('{"a_config": {"api_key": "x"}}')
+        == f'{{"a_config": {{"api_key": "{REDACTED}"}}}}'
+    )
+    assert "sk-abc" not in " ".join(redact_argv(["serve", "--kv-transfer-config", config]))
+    assert "'x'" not in redact_text("{'a_config': {'api_key': 'x'}}")
+    listed = redact_text('{"api_keys": ["k1", "k2"], "n": 1}')
+    assert "k1" not in listed and "k2" not in listed and '"n": 1' in listed
+    data = redact_data({"api_keys": ["k1", "k2"], "cfg": {"inner": {"token": "t0k"}}})
+    assert data == {"api_keys": [REDACTED, REDACTED], "cfg": {"inner": {"token": REDACTED}}}
+
+
+@given(secrets=st.lists(SECRET, min_size=1, max_size=4), after=PLAIN_ARGS)
+def test_every_value_of_a_multi_value_option(secrets: list[str], after: list[str]) -> None:
+    argv = ["vllm", "serve", "m", "--api-key", *secrets, "--port", "8000", *after]
+    out = redact_argv(argv)
+    assert (
+        out
+        == ["vllm", "serve", "m", "--api-key", *[REDACTED] * len(secrets)]
+        + argv[4 + len(secrets) :]
+    )
+    text = redact_text(" ".join(argv))
+    assert not any(secret in text for secret in secrets), text
+    assert text.endswith(" ".join(["--port", "8000", *after]))
+
+
+def test_a_single_value_option_hides_one_argument() -> None:
+    assert redact_argv(["--hf-token", "t", "model"]) == ["--hf-token", REDACTED, "model"]
+    assert redact_argv(["--api-key=k1", "model"]) == [f"--api-key={REDACTED}", "model"]
+
+
+def test_a_url_password_runs_to_the_last_at_sign() -> None:
+    for url in (
+        "http://user:p@ss@127.0.0.1:18001",
+        "http://user:p@ss@127.0.0.1:18001/metrics",
+        "https://user:a@b:c@host",
+    ):
+        out = redact_text(f"cannot read {url}: refused")
+        assert out.startswith(f"cannot read {url.split(':', 2)[0]}://user:{REDACTED}@"), out
+        assert "ss@" not in out and "b:c" not in out, out
 
 
 # --------------------------------------------------------------------------- real commands
@@ -177,3 +247,31 @@ def test_status_hides_a_password_in_its_url() -> None:
     done = _cli("status", "--url", "http://ops:Zq9pass@127.0.0.1:9/", "--timeout", "2", "--json")
     assert "Zq9pass" not in done.stdout + done.stderr, done.stdout
     assert json.loads(done.stdout)["verdict"] == "unreachable"
+
+
+def test_diagnose_of_a_process_with_secrets_in_json_and_several_api_keys(
+    children: Children,
+) -> None:
+    config = '{"kv_connector_extra_config": {"api_key": "Zq9-nested-secret", "port": 5}}'
+    proc = children.start(
+        SERVER_LIKE,
+        "serve",
+        "/models/m",
+        "--kv-transfer-config",
+        config,
+        "--api-key",
+        "Zq9-first-key",
+        "Zq9-second-key",
+        "--port",
+        "8000",
+    )
+    assert read_line(proc) == "ready"
+    for extra in ([], ["--json"]):
+        done = _cli("diagnose", "--pid", str(proc.pid), "--interval", "0.5", *extra)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "Zq9" not in out, out
+        if extra:
+            [report] = json.loads(done.stdout)["processes"]
+            assert f"--api-key {REDACTED} {REDACTED} --port 8000" in report["cmdline"]
+            assert '"port": 5' in report["cmdline"]
