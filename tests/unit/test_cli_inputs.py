@@ -65,6 +65,29 @@ def test_status_url_that_cannot_be_read_is_a_usage_error(url: str) -> None:
     assert as_json(done)["verdict"] == "usage"
 
 
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("http://127.0.0.1:8000/metrics", "has the path '/metrics'"),
+        ("http://127.0.0.1:8000/v1/models", "has the path '/v1/models'"),
+        ("http://127.0.0.1:8000/?a=1", "has a query or a fragment"),
+        ("http://127.0.0.1:8000#top", "has a query or a fragment"),
+        ("http:/127.0.0.1:8000", "one slash after the scheme"),
+        ("http://a b:80", "contains a space"),
+        ("http://[::1:80", "is not a valid URL"),
+        ("http://127.0.0.1:99999", "has no valid port"),
+    ],
+)
+def test_status_url_it_cannot_use_is_a_usage_error_naming_why(url: str, named: str) -> None:
+    """Each was read as something else: a path fetched ``<path>/metrics`` (404: exit 10
+    ``unreachable``), a space raised ``http.client.InvalidURL`` (exit 1)."""
+    for extra in ([], ["--json"]):
+        done = cli("status", "--url", url, "--timeout", "2", *extra)
+        assert done.returncode == exits.USAGE.code, done.stdout + done.stderr
+        message = as_json(done)["error"] if extra else done.stderr
+        assert named in message, message
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "-inf", "soon"])
 @pytest.mark.parametrize("option", ["--timeout", "--stuck-after"])
 def test_status_numbers_must_be_finite_and_positive(option: str, value: str) -> None:

@@ -7,6 +7,7 @@ On a real vLLM server: ``tests/e2e/test_e2e_health.py`` (protected, and stuck).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -289,7 +290,7 @@ def test_each_unreachable_report_says_which_read_failed(monkeypatch) -> None:
     """A first ``/metrics`` that fails, and one that answers once then not (with what
     ``/health`` said in between), word for word."""
     answers = iter([(404, "", None)])
-    monkeypatch.setattr(status, "_get", lambda url, timeout: next(answers))
+    monkeypatch.setattr(status, "_get", lambda url, timeout, **_: next(answers))
     first = read_status("http://h:1", settle=0.0)
     assert (first.verdict.value, first.summary, first.remedy) == (
         "unreachable",
@@ -306,3 +307,137 @@ def test_each_unreachable_report_says_which_read_failed(monkeypatch) -> None:
         "the API server itself stopped answering: check its process and log",
     )
     assert (second.health_status, second.health_error) == (503, None)
+
+
+# --------------------------------------------------------------------------- what --url may be
+
+
+@pytest.mark.parametrize("path", ["", "/", "/v1", "/v1/"])
+def test_the_openai_base_url_reads_the_servers_root(server: Server, path: str) -> None:
+    """``http://HOST:PORT/v1`` (what OpenAI clients are given) read ``/v1/metrics``: a 404,
+    exit 10 ``unreachable`` for a server that was up."""
+    server.metrics = lambda: VLLM_ONLY
+    assert status.normalize_url(server.url + path) == server.url
+    report = read_status(server.url + path, timeout=5.0, settle=0.0)
+    assert report.verdict.value == "unprotected", report.summary
+    assert report.url == server.url
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth(server: Server) -> None:
+    """urllib does not send a URL's user and password: a server behind Basic auth answered
+    401, and a password with an ``@`` was a host name (``Name or service not known``)."""
+    seen: list[str | None] = []
+
+    class Handler(server.httpd.RequestHandlerClass):  # type: ignore[misc]
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            if self.headers.get("Authorization") is None:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="m"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            super().do_GET()
+
+    server.httpd.RequestHandlerClass = Handler
+    server.metrics = lambda: VLLM_ONLY
+    host = server.url.removeprefix("http://")
+    report = read_status(f"http://ops:p%40ss@w0rd@{host}/v1", timeout=5.0, settle=0.0)
+    assert report.verdict.value == "unprotected", report.summary
+    expected = "Basic " + base64.b64encode(b"ops:p@ss@w0rd").decode()
+    assert seen and all(header == expected for header in seen), seen
+    assert report.url == f"http://ops:<redacted>@{host}"
+    assert "w0rd" not in json.dumps(report.as_dict())
+
+
+def test_a_trickling_metrics_page_is_bounded_by_the_timeout(server: Server) -> None:
+    """urllib's timeout is per socket read: 10 bytes every 0.5 s held ``--timeout 1`` for
+    ever."""
+    server.metrics = lambda: VLLM_ONLY * 50
+
+    class Handler(server.httpd.RequestHandlerClass):  # type: ignore[misc]
+        def do_GET(self) -> None:  # noqa: N802
+            data = (VLLM_ONLY * 50).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for start in range(0, len(data), 10):
+                try:
+                    self.wfile.write(data[start : start + 10])
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.5)
+
+    server.httpd.RequestHandlerClass = Handler
+    started = time.monotonic()
+    report = read_status(server.url, timeout=1.0, settle=0.0)
+    assert time.monotonic() - started < 3.0
+    assert report.verdict.value == "unreachable" and report.exit_code == exits.UNREACHABLE.code
+    assert "TimeoutError" in report.summary and "1 s" in report.summary, report.summary
+
+
+def test_a_metrics_page_cut_short_is_unreachable(server: Server) -> None:
+    """The server closes before the length it announced: http.client's IncompleteRead."""
+
+    class Handler(server.httpd.RequestHandlerClass):  # type: ignore[misc]
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(VLLM_ONLY.encode()[:20])
+            self.close_connection = True
+
+    server.httpd.RequestHandlerClass = Handler
+    report = read_status(server.url, timeout=5.0, settle=0.0)
+    assert report.verdict.value == "unreachable", report.summary
+    assert "IncompleteRead" in report.summary, report.summary
+
+
+def test_a_metrics_page_over_the_size_cap_is_not_read(server: Server, monkeypatch) -> None:
+    monkeypatch.setattr(status, "MAX_BODY_BYTES", 4096)
+    server.metrics = lambda: VLLM_ONLY * 100
+    report = read_status(server.url, timeout=5.0, settle=0.0)
+    assert report.verdict.value == "unreachable", report.summary
+    assert "larger than" in report.summary, report.summary
+
+
+NOT_METRICS = {
+    "html": "<!DOCTYPE html>\n<html><body><form>Log in</form></body></html>\n",
+    "bad label": f'{n.PROTECTED_PROCESSES}{{kind="api_server"}} 1\n'
+    f'{n.PROTECTED_PROCESSES}{{kind="engine_core" 1\n',
+    "prose": 'vllm:foo{a="b"} 1\nthis is not prometheus\n',
+    "bad value": f'{n.PROTECTED_PROCESSES}{{kind="api_server"}} one\n',
+}
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["prometheus_client", "plain"])
+@pytest.mark.parametrize("kind", sorted(NOT_METRICS))
+def test_a_page_that_is_not_metrics_cannot_be_read(
+    server: Server, monkeypatch, kind: str, plain: bool
+) -> None:
+    """One answer with or without prometheus_client: it raised ValueError (exit 1), and the
+    plain reader skipped the bad lines (``unprotected`` or ``protected``)."""
+    if plain:
+        monkeypatch.setitem(sys.modules, "prometheus_client.parser", None)
+    body = NOT_METRICS[kind]
+    with pytest.raises(status.NotMetricsError):
+        parse_metrics(body)
+    server.metrics = lambda: body
+    report = read_status(server.url, timeout=5.0, settle=0.0)
+    assert report.verdict.value == "unreachable", report.summary
+    assert "not a Prometheus metrics page" in report.summary, report.summary
+    assert ("HTML" in report.summary) == (kind == "html"), report.summary
+
+
+def test_both_readers_accept_what_the_format_allows() -> None:
+    text = (
+        "# HELP x y\n\n"
+        f'{n.PROTECTED_PROCESSES}{{kind="api_server",}} 1 1700000000000\n'
+        f'{n.ENGINE_LAST_ANSWER_AGE}{{engine="0"}} NaN\n'
+        f"{n.STALLS} +Inf\n"
+        "# EOF\n"
+    )
+    plain = _parse_plain(text)
+    assert set(plain) == set(parse_metrics(text))
+    assert plain[(n.PROTECTED_PROCESSES, (("kind", "api_server"),))] == 1.0

@@ -25,7 +25,9 @@ Imports neither vLLM nor anything the wheel does not ship: it runs from a debug 
 
 from __future__ import annotations
 
+import http.client
 import re
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -36,11 +38,20 @@ from typing import Any
 from ..metrics import names as n
 from . import exits
 from .exits import Verdict
+from .redact import REDACTED
 
 DEFAULT_TIMEOUT_S = 15.0
-"""Per request. ``/metrics`` and ``/health`` answer at once, a stuck engine or not (the
-plugin's ``/health`` reads its heartbeat's verdict and never waits on EngineCore), so this
-only bounds an API server that does not answer at all."""
+"""Per request, the whole of it (connecting, the answer's head, its body). ``/metrics`` and
+``/health`` answer at once, a stuck engine or not (the plugin's ``/health`` reads its
+heartbeat's verdict and never waits on EngineCore), so this only bounds an API server that
+does not answer at all, or answers a byte at a time."""
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""The largest ``/metrics`` read. vLLM's is tens of kilobytes (a few hundred kilobytes with
+many engines and models); more is not read into memory, and is reported."""
+_CHUNK_BYTES = 64 * 1024
+BASE_PATHS = ("", "/", "/v1", "/v1/")
+"""Paths of ``--url`` reduced to the server's root: ``/v1`` is the OpenAI base URL users
+copy; ``/metrics`` and ``/health`` are at the root."""
 DEFAULT_STUCK_AFTER_S = 30.0
 """An engine whose last answer is older than this (and getting older) is stuck."""
 SETTLE_S = 1.5
@@ -49,6 +60,8 @@ SETTLE_S = 1.5
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """``{(name, sorted labels): value}``"""
+Credentials = tuple[str, str]
+"""``(user, password)`` from the URL, percent-escapes decoded."""
 
 
 @dataclass
@@ -94,41 +107,77 @@ class StatusReport:
 # --------------------------------------------------------------------------- reading
 
 
+class NotMetricsError(ValueError):
+    """A body that is not a Prometheus text exposition (an HTML login page, a proxy's error
+    page, another service's answer, a broken line); the message says where."""
+
+
 def parse_metrics(text: str) -> Samples:
     """The ``mmcache_fix_*`` samples of a Prometheus text exposition.
 
     prometheus_client's parser when it is installed (it comes with vLLM); otherwise a
     reader of the plain ``name{labels} value`` lines, because this command must also run
-    from a debug container that has only this package."""
+    from a debug container that has only this package. Both refuse the same bodies: any
+    line that is neither a comment nor a sample raises :class:`NotMetricsError`."""
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError:
         return _parse_plain(text)
+    _check_lines(text)
     out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(n.PREFIX):
-                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(n.PREFIX):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    out[key] = float(sample.value)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise NotMetricsError(f"{type(exc).__name__}: {exc}"[:200]) from None
     return out
 
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+(\S+))?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_LABELS = re.compile(r'^\s*(?:[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"(?:[^"\\]|\\.)*"\s*(?:,\s*|$))*$')
+
+
+def _check_lines(text: str) -> None:
+    """:class:`NotMetricsError` at the first line that is neither a comment nor a sample."""
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line and not line.startswith("#") and _sample(line) is None:
+            what = "HTML (a login or error page?)" if _is_html(text) else "not a sample"
+            raise NotMetricsError(f"line {number} is {what}: {line[:80]!r}")
+
+
+def _is_html(text: str) -> bool:
+    head = text.lstrip()[:200].lower()
+    return head.startswith("<") and ("<html" in head or "<!doctype" in head or "<body" in head)
+
+
+def _sample(line: str) -> tuple[str, tuple[tuple[str, str], ...], float] | None:
+    """``(name, sorted labels, value)`` of one sample line; None when it is not one."""
+    match = _LINE.match(line)
+    if match is None or not _LABELS.match(match.group(2) or ""):
+        return None
+    try:
+        value = float(match.group(3))
+        if match.group(4) is not None:
+            float(match.group(4))  # the timestamp
+    except ValueError:
+        return None
+    labels = tuple(sorted((k, _unescape(v)) for k, v in _LABEL.findall(match.group(2) or "")))
+    return match.group(1), labels, value
 
 
 def _parse_plain(text: str) -> Samples:
+    _check_lines(text)
     out: Samples = {}
     for line in text.splitlines():
-        if not line.startswith(n.PREFIX):
-            continue
-        match = _LINE.match(line.strip())
-        if match is None:
-            continue
-        labels = tuple(sorted((k, _unescape(v)) for k, v in _LABEL.findall(match.group(2) or "")))
-        try:
-            out[(match.group(1), labels)] = float(match.group(3))
-        except ValueError:
-            continue
+        if line.startswith(n.PREFIX):
+            sample = _sample(line.strip())
+            if sample is not None:
+                out[(sample[0], sample[1])] = sample[2]
     return out
 
 
@@ -136,16 +185,78 @@ def _unescape(value: str) -> str:
     return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
-def _get(url: str, timeout: float) -> tuple[int | None, str, str | None]:
-    """(status, body, error)."""
+def _get(
+    url: str, timeout: float, *, credentials: Credentials | None = None, read_body: bool = True
+) -> tuple[int | None, str, str | None]:
+    """(status, body, error) of one GET, the whole request within ``timeout`` seconds.
+
+    urllib's timeout bounds each socket operation only (a server that sends a byte every
+    second would hold it for ever), so the request runs in a daemon thread that reads the
+    body in chunks and stops at the deadline; past it, this returns a timeout and leaves
+    the thread to end at its next chunk. A body over :data:`MAX_BODY_BYTES` is an error.
+    Without ``read_body`` (``/health``) only the status is read."""
+    deadline = time.monotonic() + timeout
+    outcome: list[tuple[int | None, str, str | None]] = []
+
+    def fetch() -> None:
+        outcome.append(_fetch(url, timeout, deadline, credentials, read_body))
+
+    worker = threading.Thread(target=fetch, name="vllm-mmcache-fix-status-get", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:
+        return None, "", f"TimeoutError: no whole answer in {timeout:g} s"
+    return outcome[0]
+
+
+def _fetch(
+    url: str, timeout: float, deadline: float, credentials: Credentials | None, read_body: bool
+) -> tuple[int | None, str, str | None]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310
-            return response.status, response.read().decode("utf-8", "replace"), None
+        with _opener(url, credentials).open(url, timeout=timeout) as response:
+            if not read_body:
+                return response.status, "", None
+            body, error = _read_body(response, deadline, timeout)
+            return response.status, body, error
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode("utf-8", "replace"), None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        exc.close()
+        return exc.code, "", None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         return None, "", f"{type(exc).__name__}: {reason}"
+
+
+def _opener(url: str, credentials: Credentials | None) -> urllib.request.OpenerDirector:
+    """urllib's opener; with credentials, one that sends them with every request to
+    ``url``'s scheme, host and port (HTTP Basic auth, without waiting for a 401)."""
+    if credentials is None:
+        return urllib.request.build_opener()
+    parsed = urllib.parse.urlsplit(url)
+    passwords = urllib.request.HTTPPasswordMgrWithPriorAuth()
+    passwords.add_password(
+        None, f"{parsed.scheme}://{parsed.netloc}/", *credentials, is_authenticated=True
+    )
+    return urllib.request.build_opener(urllib.request.HTTPBasicAuthHandler(passwords))
+
+
+def _read_body(response: Any, deadline: float, timeout: float) -> tuple[str, str | None]:
+    """The body, chunk by chunk, up to the deadline and :data:`MAX_BODY_BYTES`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        if time.monotonic() > deadline:
+            return "", f"TimeoutError: the body took more than {timeout:g} s"
+        chunk = response.read1(_CHUNK_BYTES)
+        if not chunk:
+            missing = getattr(response, "length", None)  # what Content-Length still owes
+            if missing:
+                return "", f"IncompleteRead: the body ended {missing} bytes short"
+            return b"".join(chunks).decode("utf-8", "replace"), None
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            limit = MAX_BODY_BYTES // (1024 * 1024)
+            return "", f"the body is larger than {limit} MiB (not a vLLM /metrics page?)"
+        chunks.append(chunk)
 
 
 def _series(samples: Samples, name: str, label: str) -> dict[str, float]:
@@ -212,23 +323,70 @@ def cache_figures(before: Samples, after: Samples, interval: float) -> dict[str,
 
 
 def normalize_url(url: str) -> str:
-    """``host:port`` -> ``http://host:port``; ValueError for a URL this command cannot read
-    (another scheme, no host)."""
+    """The server's base URL, ``scheme://[user:password@]host[:port]``, from what
+    ``--url`` was given; ValueError (a usage error) naming what is wrong with a URL this
+    command cannot read.
+
+    ``host:port`` means ``http://host:port``; a path of ``/``, ``/v1`` or ``/v1/`` (the
+    OpenAI base URL) is dropped, since ``/metrics`` and ``/health`` are at the root. Any
+    other path, a query, a fragment, another scheme, no host, a port that is not a
+    number, spaces or control characters are refused. Credentials stay (sent as HTTP
+    Basic auth, :func:`split_credentials`)."""
     text = url.strip()
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)", text):
+        raise ValueError(f"{url!r}: one slash after the scheme; e.g. http://HOST:8000")
     if "://" not in text:
         text = "http://" + text
-    parsed = urllib.parse.urlsplit(text)
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise ValueError(f"{url!r} contains a space or a control character")
+    try:
+        parsed = urllib.parse.urlsplit(text)
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a valid URL ({exc}); e.g. http://HOST:8000") from None
+    try:
+        parsed.port  # noqa: B018 - raises for a port that is not a number
+    except ValueError:
+        raise ValueError(f"{url!r} has no valid port; e.g. http://HOST:8000") from None
     if parsed.scheme.lower() not in ("http", "https"):
         raise ValueError(f"{url!r}: only http:// and https:// URLs, e.g. http://HOST:8000")
     if not parsed.hostname:
         raise ValueError(
             f"{url!r} names no host; give the server's base URL, e.g. http://HOST:8000"
         )
-    try:
-        parsed.port  # noqa: B018 - raises for a port that is not a number
-    except ValueError:
-        raise ValueError(f"{url!r} has no valid port; e.g. http://HOST:8000") from None
-    return text.rstrip("/")
+    if parsed.query or parsed.fragment or text.endswith(("?", "#")):
+        raise ValueError(
+            f"{url!r} has a query or a fragment; give the server's base URL, e.g. http://HOST:8000"
+        )
+    if parsed.path not in BASE_PATHS:
+        raise ValueError(
+            f"{url!r} has the path {parsed.path!r}; give the server's base URL (e.g. "
+            "http://HOST:8000, or .../v1): /metrics and /health are read at its root"
+        )
+    return f"{parsed.scheme.lower()}://{parsed.netloc}"
+
+
+def split_credentials(base: str) -> tuple[str, Credentials | None]:
+    """``(base without user:password@, the credentials or None)``.
+
+    urllib does not send a URL's credentials by itself; :func:`_get` sends them as HTTP
+    Basic auth to this scheme, host and port only (also after a redirect there, never
+    after one elsewhere)."""
+    parsed = urllib.parse.urlsplit(base)
+    if parsed.username is None and parsed.password is None:
+        return base, None
+    host = parsed.netloc.rpartition("@")[2]
+    user = urllib.parse.unquote(parsed.username or "")
+    password = urllib.parse.unquote(parsed.password or "")
+    return f"{parsed.scheme}://{host}", (user, password)
+
+
+def shown_url(base: str) -> str:
+    """``base`` as reports print it: a password replaced by ``<redacted>``."""
+    parsed = urllib.parse.urlsplit(base)
+    if parsed.password is None:
+        return base
+    host = parsed.netloc.rpartition("@")[2]
+    return f"{parsed.scheme}://{parsed.username or ''}:{REDACTED}@{host}"
 
 
 def read_status(
@@ -239,21 +397,23 @@ def read_status(
     settle: float = SETTLE_S,
 ) -> StatusReport:
     base = normalize_url(url)
-    body, why = _read_metrics(base, timeout)
-    if body is None:
-        return _unreachable(base, f"cannot read {base}/metrics: {why}", _REMEDY_NO_METRICS)
+    shown = shown_url(base)
+    target, credentials = split_credentials(base)
+    before, why, remedy = _read_metrics(target, timeout, credentials)
+    if before is None:
+        return _unreachable(shown, f"cannot read {shown}/metrics: {why}", remedy)
     first_read = time.monotonic()
-    before = parse_metrics(body)
-    health, _, health_error = _get(base + "/health", timeout)
+    health, _, health_error = _get(
+        target + "/health", timeout, credentials=credentials, read_body=False
+    )
     time.sleep(settle)
-    body, why = _read_metrics(base, timeout)
-    if body is None:
-        summary = f"{base}/metrics answered once, then not: {why}"
-        return _unreachable(
-            base, summary, _REMEDY_STOPPED, health_status=health, health_error=health_error
-        )
-    after = parse_metrics(body)
-    report = decide(base, before, after, health, health_error, timeout, stuck_after)
+    after, why, remedy = _read_metrics(target, timeout, credentials)
+    if after is None:
+        summary = f"{shown}/metrics answered once, then not: {why}"
+        if remedy == _REMEDY_NO_METRICS:
+            remedy = _REMEDY_STOPPED
+        return _unreachable(shown, summary, remedy, health_status=health, health_error=health_error)
+    report = decide(shown, before, after, health, health_error, timeout, stuck_after)
     report.caches = cache_figures(before, after, time.monotonic() - first_read)
     return report
 
@@ -262,14 +422,22 @@ _REMEDY_NO_METRICS = (
     "check the URL (the server's own port, where /metrics is) and that the server is up"
 )
 _REMEDY_STOPPED = "the API server itself stopped answering: check its process and log"
+_REMEDY_NOT_METRICS = (
+    "give the vLLM server's own port (where /metrics is), not a proxy or login page in front of it"
+)
 
 
-def _read_metrics(base: str, timeout: float) -> tuple[str | None, str]:
-    """``/metrics``' text, or None and why it could not be read."""
-    code, body, error = _get(base + "/metrics", timeout)
-    if code != 200:
-        return None, error or f"HTTP {code}"
-    return body, ""
+def _read_metrics(
+    base: str, timeout: float, credentials: Credentials | None
+) -> tuple[Samples | None, str, str]:
+    """``/metrics``' samples, or None, why they could not be read, and what to do."""
+    code, body, error = _get(base + "/metrics", timeout, credentials=credentials)
+    if code != 200 or error is not None:
+        return None, error or f"HTTP {code}", _REMEDY_NO_METRICS
+    try:
+        return parse_metrics(body), "", ""
+    except NotMetricsError as exc:
+        return None, f"it is not a Prometheus metrics page: {exc}", _REMEDY_NOT_METRICS
 
 
 def _unreachable(
