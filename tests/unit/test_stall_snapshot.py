@@ -475,3 +475,118 @@ def test_two_episodes_in_one_millisecond_get_two_files_diagnose_finds(tmp_path: 
     assert sorted(tmp_path.glob(f"{snap.FILE_PREFIX}*.json")) == sorted([first, second])
     assert diag.find_snapshot([os.getpid()], tmp_path) in {first, second}
     assert diag.find_snapshot([os.getpid() + 1], tmp_path) is None
+
+
+# --------------------------------------------------------------------------- diagnose's reading
+
+_IDLE_CHILD = "import time\nprint('ready', flush=True)\ntime.sleep(300)\n"
+
+
+def _snapshot_name(pid: int, when: float) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when))
+    return f"{snap.FILE_PREFIX}EngineCore-{pid}-{stamp}-{int(when * 1000) % 1000:03d}-1.json"
+
+
+def _fake_proc(root: Path, pid: int, boot: int, started_ticks: int) -> Path:
+    (root / str(pid)).mkdir(parents=True)
+    (root / "stat").write_text(f"cpu  1 2 3 4\nbtime {boot}\nprocesses 9\n")
+    fields = ["S", "1"] + ["0"] * 17 + [str(started_ticks)] + ["0"] * 10
+    (root / str(pid) / "stat").write_text(f"{pid} (python3) {' '.join(fields)}\n")
+    return root
+
+
+def test_a_snapshot_an_earlier_process_with_the_same_pid_wrote_is_not_shown(
+    tmp_path: Path,
+) -> None:
+    """A container's API server is PID 1 after every restart: the snapshot of the one before
+    was shown as this one's."""
+    tick = os.sysconf("SC_CLK_TCK")
+    proc = _fake_proc(tmp_path / "proc", 1, boot=1_700_000_000, started_ticks=600 * tick)
+    started = 1_700_000_600
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    before = snapshots / _snapshot_name(1, started - 60)
+    before.write_text("{}")
+    assert diag.process_started(1, proc) == started
+    assert diag.find_snapshot([1], snapshots, proc_root=proc) is None
+    since = snapshots / _snapshot_name(1, started + 5)
+    since.write_text("{}")
+    assert diag.find_snapshot([1], snapshots, proc_root=proc) == since
+    # An unknown start (the process gone, /proc unreadable) ties no snapshot to the pid.
+    assert diag.find_snapshot([2], snapshots, proc_root=proc) is None
+    # The real /proc: this process's own start.
+    mine = snapshots / _snapshot_name(os.getpid(), time.time() - 10 * 365 * 86400)
+    mine.write_text("{}")
+    assert diag.find_snapshot([os.getpid()], snapshots) is None
+
+
+def _diagnose(*args: str, env: dict[str, str] | None = None) -> Any:
+    import subprocess
+    import sys
+
+    from harness.paths import REPO_ROOT
+
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_mmcache_fix", "diagnose", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=str(REPO_ROOT),
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+    )
+
+
+def test_diagnose_reads_only_a_regular_file_of_bounded_size(tmp_path: Path) -> None:
+    """A FIFO hung ``diagnose --snapshot``, /dev/zero was read without end."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        done = _diagnose("--snapshot", path, "--json")
+        assert done.returncode == 1, done.stdout + done.stderr
+        data = json.loads(done.stdout)
+        assert data["verdict"] == "error" and "not a regular file" in data["error"], data
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (diag.MAX_FILE_BYTES + 1))
+    with pytest.raises(diag.SnapshotError, match="more than"):
+        diag.load_snapshot(big)
+
+
+MALFORMED = {
+    "verdict": {snap.KEY_KIND: snap.KIND_VALUE, "verdict": "silent"},
+    "details": {snap.KEY_KIND: snap.KIND_VALUE, "details": [1]},
+    "progress": {snap.KEY_KIND: snap.KIND_VALUE, "last_answer": {"progress": 5}},
+    "requests": {snap.KEY_KIND: snap.KIND_VALUE, "details": {snap.KEY_REQUESTS: "img-1"}},
+    "frames": {snap.KEY_KIND: snap.KIND_VALUE, "details": {snap.KEY_STACKS: [{"frames": "f"}]}},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_snapshot_given_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(MALFORMED[kind]))
+    assert cli.main(["diagnose", "--snapshot", str(path)]) == 1
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    assert "not a well-formed stall snapshot" in line and "Error:" not in line, line
+    assert cli.main(["diagnose", "--snapshot", str(path), "--json"]) == 1
+    assert "not a well-formed stall snapshot" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_malformed_snapshot_found_under_pid_is_a_note(tmp_path: Path, children: Any) -> None:
+    """It raised AttributeError in place of the whole diagnosis (exit 1)."""
+    proc = children.start(_IDLE_CHILD)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.05)
+    (tmp_path / _snapshot_name(proc.pid, time.time())).write_text(json.dumps(MALFORMED["verdict"]))
+    env = {ENV_SNAPSHOT_DIR: str(tmp_path)}
+    args = ("--pid", str(proc.pid), "--interval", "0.3", "--no-py-spy")
+    done = _diagnose(*args, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"PID {proc.pid}" in done.stdout and "verdict" in done.stdout.lower(), done.stdout
+    assert "stall snapshot not shown:" in done.stdout, done.stdout
+    assert "not a well-formed stall snapshot (verdict is str" in done.stdout
+    data = json.loads(_diagnose(*args, "--json", env=env).stdout)
+    assert data["exit_code"] == 0 and "stall_snapshot" not in data
+    assert "not a well-formed stall snapshot" in data["stall_snapshot_error"]

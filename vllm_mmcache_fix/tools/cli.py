@@ -350,24 +350,31 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         result = diagnose.diagnose(args.pid, interval=args.interval, use_py_spy=not args.no_py_spy)
     except diagnose.DiagnoseError as exc:
         return _error("diagnose", str(exc), args.json, pid=args.pid)
+    note = None
     if shown is None:
-        # The newest stall snapshot an API server of this process tree wrote, if any.
+        # The newest stall snapshot an API server of this process tree wrote since it
+        # started, if any; one that cannot be read is a note, the diagnosis stands.
         found = snapshot.find_snapshot([args.pid, *(p.pid for p in result.processes)])
         if found is not None:
             try:
                 shown = (found, snapshot.load_snapshot(found))
-            except snapshot.SnapshotError:
-                shown = None
+            except snapshot.SnapshotError as exc:
+                note = f"stall snapshot not shown: {exc}"
     if args.json:
         out = result.as_dict()
         if shown is not None:
             out["stall_snapshot"] = {"path": str(shown[0]), **shown[1]}
+        if note is not None:
+            out["stall_snapshot_error"] = note
         _print_json(out)
     else:
         print(diagnose.render(result))
         if shown is not None:
             print()
             print(snapshot.render_snapshot(shown[1], shown[0]))
+        if note is not None:
+            print()
+            print(note)
     return diagnose.exit_code(result)
 
 
@@ -474,13 +481,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--url",
         required=True,
         type=_url,
-        help="the server's base URL, e.g. http://host:8000 (host:port means http://host:port)",
+        help="the server's base URL, e.g. http://host:8000 (host:port means http://host:port; "
+        "a path of / or /v1, the OpenAI base URL, is dropped: /metrics and /health are read "
+        "at the root; any other path, a query or a fragment is a usage error; "
+        "http://user:password@host:8000 sends HTTP Basic auth)",
     )
     status.add_argument(
         "--timeout",
         type=_seconds(0.0),
         default=15.0,
-        help="seconds per HTTP request, more than 0 (default 15)",
+        help="seconds for each whole HTTP request (connecting, the answer and its body), "
+        "more than 0 (default 15)",
     )
     status.add_argument(
         "--stuck-after",
@@ -498,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot",
         type=Path,
         help="a stall snapshot file the API server wrote at a /health verdict (shown; with "
-        "--pid, else the newest one of the process tree found in MMCACHE_FIX_SNAPSHOT_DIR)",
+        "--pid, else the newest one the process tree wrote since it started, found in "
+        "MMCACHE_FIX_SNAPSHOT_DIR)",
     )
     diag.add_argument(
         "--interval",
