@@ -176,6 +176,33 @@ def test_spin_rule() -> None:
 # --------------------------------------------------------------------------- (4) idle
 
 
+ENGINE_WITHOUT_INPUT_THREAD = """
+import ctypes, threading, time
+ctypes.CDLL(None).prctl(15, b"VLLM::EngineCor", 0, 0, 0)  # vLLM's title (comm: 15 bytes)
+
+def process_output_sockets():
+    time.sleep(300)
+
+threading.Thread(target=process_output_sockets, daemon=True).start()
+print("ready", flush=True)
+time.sleep(300)  # the busy loop waits for input that no thread reads any more
+"""
+
+
+@needs_py_spy
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="py-spy names threads by pthread id")
+def test_the_header_names_the_dump_an_input_thread_verdict_rests_on(children: Children) -> None:
+    proc = children.start(ENGINE_WITHOUT_INPUT_THREAD)
+    assert read_line(proc) == "ready"
+    time.sleep(0.2)
+
+    d = diagnose(proc.pid, interval=INTERVAL)
+
+    assert d.classification is C.ENGINE_INPUT_THREAD_GONE, render(d)
+    # The verdict comes from py-spy's dump: the header does not say it was not needed.
+    assert "not needed" not in d.py_spy and "input thread" in d.py_spy, d.py_spy
+
+
 def test_sleeping_process_is_idle(children: Children) -> None:
     proc = children.start(SLEEPER)
     assert read_line(proc) == "ready"

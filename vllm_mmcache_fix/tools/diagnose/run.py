@@ -64,7 +64,10 @@ def diagnose(
     ]
     wall = time.monotonic() - started
     py_spy = _check_hot_stacks(reports, use_py_spy, proc)
-    _check_engine_threads(reports, use_py_spy, proc)
+    dumped = _check_engine_threads(reports, use_py_spy, proc)
+    if dumped and not any(t.spinning for r in reports for t in r.threads):
+        # (not "not needed": the verdict may rest on that dump)
+        py_spy = f"{dumped} dump --nonblocking (EngineCore's threads: is its input thread alive?)"
     for report in reports:
         if report.classification is not C.EXITED:
             checked = report.stack_check is not None and report.stack_check.status == "checked"
@@ -343,8 +346,11 @@ def _check_hot_stacks(reports: Sequence[ProcessReport], use_py_spy: bool, proc: 
     )
 
 
-def _check_engine_threads(reports: Sequence[ProcessReport], use_py_spy: bool, proc: Path) -> None:
-    """One dump of each EngineCore that does not spin: is its input thread still alive?"""
+def _check_engine_threads(
+    reports: Sequence[ProcessReport], use_py_spy: bool, proc: Path
+) -> str | None:
+    """One dump of each EngineCore that does not spin: is its input thread still alive?
+    py-spy's path when it dumped one."""
     engines = [
         r
         for r in reports
@@ -353,15 +359,16 @@ def _check_engine_threads(reports: Sequence[ProcessReport], use_py_spy: bool, pr
         and not any(t.spinning for t in r.threads)
     ]
     if not engines or not use_py_spy or proc.resolve() != Path("/proc"):
-        return
+        return None
     exe = find_py_spy()
     if exe is None:
-        return
+        return None
     for report in engines:
         gone, check = check_engine_threads(exe, report.pid)
         report.input_thread_gone = gone
         if report.stack_check is None:
             report.stack_check = check
+    return str(exe)
 
 
 def _summary(whole: Classification, reports: Sequence[ProcessReport]) -> str:
