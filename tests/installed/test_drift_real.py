@@ -62,3 +62,35 @@ def test_a_recovered_request_is_not_logged_as_aborted(version: str, vllm_venv) -
     assert got["recovered"] == {"finish_reasons": ["length"], "aborted": []}
     assert got["client_went_away"]["aborted"] == ["gone-1"]
     assert got["log"] == ["Request gone-1 aborted."]
+
+
+RACE = Path(__file__).with_name("recovery_race.py")
+
+
+@pytest.mark.parametrize("version", REAL_VERSIONS)
+def test_a_recovery_leaves_the_image_to_a_request_that_found_it_cached(
+    version: str, vllm_venv
+) -> None:
+    """A shared image of a drifted request stays in the sender cache, doubtful: the request
+    being processed that found it cached merges it (taken out, vLLM's sender failed that
+    request: ``Expected a cached item``, a 500), the next request sends its data."""
+    proc = subprocess.run(
+        [python(vllm_venv(version)), str(RACE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO_ROOT),
+        env={
+            "VLLM_TARGET_DEVICE": "cpu",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            "PYTHONPATH": str(REPO_ROOT),
+        },
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert got["vllm"] == version and got["switched_off"] is None
+    assert got["bystander"] == {"cached": [True, False], "outcome": "ok"}
+    assert got["cached_after_recovery"] == [False]  # sent with its data from now on
+    assert got["next_request_cached"] == [False] and got["then_cached"] == [True]

@@ -401,15 +401,19 @@ def test_a_reset_starts_a_new_epoch_and_old_journals_no_longer_apply() -> None:
     assert order(cache) == "pq"
 
 
-def test_invalidate_drops_cached_keys_and_forgets_positions_of_gone_ones() -> None:
+def test_invalidate_makes_cached_keys_doubtful_and_forgets_positions_of_gone_ones() -> None:
     cache, shadow = sender("abc")
     journal = Journal(shadow)
     send(cache, journal, "x")
     shadow.seq["gone"] = 7
     assert shadow.invalidate(["a", "x", "gone"]) == 2
-    assert order(cache) == "bc"
-    assert "gone" not in shadow.seq and "a" not in shadow.seq and "a" not in shadow.base
-    assert shadow.owner == {}
+    # Still cached (a request that found them cached reads them again), sent with data
+    # by every request processed from now on.
+    assert order(cache) == "abcx" and shadow.doubtful == {"a", "x"}
+    assert shadow.looks_uncached("a", None) and shadow.looks_uncached("x", journal)
+    assert "gone" not in shadow.seq and shadow.owner == {}
+    send(cache, None, "a")  # sent with its data: EngineCore has it again
+    assert shadow.doubtful == {"x"} and not shadow.looks_uncached("a", None)
 
 
 def test_forget_drops_every_trace_of_a_key() -> None:

@@ -491,18 +491,22 @@ class Shadow:
         return Rollback(True, removed, restored, moved)
 
     def invalidate(self, keys: Iterable[Key]) -> int:
-        """Drop ``keys`` (a drifted request's items) so they are sent with data again."""
-        dropped = 0
+        """A drifted request's items are sent with their data again: they become doubtful
+        (they look uncached to every request processed from now on), and stay in the
+        cache. A request being processed meanwhile that already found one cached reads it
+        again when it merges its items; taken out, vLLM's sender would fail that request
+        (``Expected a cached item``, a 500). Returns how many are cached here."""
+        marked = 0
         with self.lock:
             data = self.lru._Cache__data
             for key in keys:
                 self.owner.pop(key, None)
                 if key in data:
-                    self._drop(key)
-                    dropped += 1
+                    self.doubtful.add(key)
+                    marked += 1
                 else:
                     self.seq.pop(key, None)
-        return dropped
+        return marked
 
     def reset(self) -> None:
         """The cache was cleared: pending journals no longer apply (new epoch)."""

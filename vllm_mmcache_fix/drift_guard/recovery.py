@@ -2,9 +2,11 @@
 
 When the first output of a request that sent items as ``data=None`` is an
 error with no tokens (EngineCore lacked an item: ``MultiModalCacheMissError``
-from 0.28, a failed request on older releases), all of its items are dropped
-from the shadow, its multimodal items are processed again (they now carry
-data) and the request is submitted again, before anything reaches the client.
+from 0.28, a failed request on older releases), all of its items become
+doubtful (sent with their data by every request processed from now on; left in
+the cache for a request being processed that found them cached), its multimodal
+items are processed again (they now carry data) and the request is submitted
+again, before anything reaches the client.
 Skipped (the error passes through) when the inputs cannot be rebuilt.
 
 The first stream is left to end by itself (its last output has come), so vLLM
