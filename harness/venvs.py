@@ -545,6 +545,37 @@ def python(venv: Path) -> str:
     return str(venv_python(venv))
 
 
+RESULT_PREFIX = "RESULT "
+"""The line a program run inside a venv prints its result on, as JSON."""
+
+
+def run_result(
+    venv: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> dict:
+    """Run ``args`` with the venv's Python from the repository's root (the checkout's
+    package and harness importable; vLLM's CPU platform; no other variable of this
+    process) and return the JSON of its last ``RESULT`` line. AssertionError with the end
+    of its stderr when it printed none."""
+    proc = subprocess.run(
+        [python(venv), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO_ROOT),
+        env={
+            "VLLM_TARGET_DEVICE": "cpu",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            "PYTHONPATH": str(REPO_ROOT),
+            **(env or {}),
+        },
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    assert lines, f"exit {proc.returncode}, no {RESULT_PREFIX}line: {proc.stderr[-3000:]}"
+    result: dict = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    return result
+
+
 def venv_dist_version(venv: Path, dist: str) -> str | None:
     """Version of distribution ``dist`` in the venv; None when it is not installed."""
     code = (

@@ -8,36 +8,18 @@ control the commit stays at ``process_inputs``.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from harness.paths import REPO_ROOT
-from harness.venvs import e2e_versions, python
+from harness.venvs import e2e_versions, run_result
 
 PROGRAM = Path(__file__).with_name("drift_admission.py")
 
 
 @pytest.mark.parametrize("version", e2e_versions())
 def test_a_request_refused_by_admission_control_is_rolled_back(version: str, vllm_venv) -> None:
-    proc = subprocess.run(
-        [python(vllm_venv(version)), str(PROGRAM)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO_ROOT),
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(Path.home()),
-            "PYTHONPATH": str(REPO_ROOT),
-        },
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    got = run_result(vllm_venv(version), str(PROGRAM))
     print(got)
     assert "generate" in got["patched"]
     if not got["admission_control"]:

