@@ -13,7 +13,29 @@ import pytest
 
 CHILD_DEADLINE_S = 10.0
 
-PROGRAM = textwrap.dedent(
+WAIT_FOR_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+
+    def wait_for_child(pid, seconds, done):
+        # Exit with the child's status; 3 ("child blocked") when it has not ended in time.
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                done.set()
+                print("child exit", os.waitstatus_to_exitcode(status))
+                sys.exit(os.waitstatus_to_exitcode(status))
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        done.set()
+        print("child blocked")
+        sys.exit(3)
+    """
+)
+
+PROGRAM = WAIT_FOR_CHILD + textwrap.dedent(
     """
     import os, queue, sys, threading, time
     sys.setswitchinterval(1e-6)
@@ -56,19 +78,7 @@ PROGRAM = textwrap.dedent(
         reply = fix.answer(engine)
         counters.count_stall(counters.STALL_BUSY)
         os._exit(0 if reply.get("counts") is not None else 4)
-    deadline = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < deadline:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            done.set()
-            print("child exit", os.waitstatus_to_exitcode(status))
-            sys.exit(os.waitstatus_to_exitcode(status))
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    done.set()
-    print("child blocked")
-    sys.exit(3)
+    wait_for_child(pid, float(sys.argv[2]), done)
     """
 )
 
@@ -118,7 +128,7 @@ def test_renewing_the_locks_builds_no_fix() -> None:
     assert out == "[]", out
 
 
-CACHES_PROGRAM = textwrap.dedent(
+CACHES_PROGRAM = WAIT_FOR_CHILD + textwrap.dedent(
     """
     import os, queue, sys, threading, time
     sys.setswitchinterval(1e-6)
@@ -156,19 +166,7 @@ CACHES_PROGRAM = textwrap.dedent(
         fix.adopt(engine)
         counts = fix.answer(engine).get("counts")
         os._exit(0 if counts is not None and not any("|sender|" in k for k in counts) else 4)
-    deadline = time.monotonic() + float(sys.argv[1])
-    while time.monotonic() < deadline:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            done.set()
-            print("child exit", os.waitstatus_to_exitcode(status))
-            sys.exit(os.waitstatus_to_exitcode(status))
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    done.set()
-    print("child blocked")
-    sys.exit(3)
+    wait_for_child(pid, float(sys.argv[1]), done)
     """
 )
 

@@ -176,6 +176,21 @@ def per_request(v: dict[str, Any], tokens: int, rounds: int, requests: int) -> d
     }
 
 
+def _merged(v: dict[str, Any], sender: Any, merge: Any, hashes: list[str]) -> Any:
+    """A request's images through the sender cache, as vLLM's processor sends them: which
+    are cached, then vLLM's ``_merge_mm_kwargs`` with the data of the others."""
+    cached = sender.is_cached(hashes)
+    mm_kwargs, _ = merge(
+        _STUB,
+        sender,
+        mm_hashes={"image": hashes},
+        mm_is_cached={"image": cached},
+        mm_missing_kwargs={"image": [v["item"]() for c in cached if not c]},
+        mm_missing_prompt_updates={"image": [[] for c in cached if not c]},
+    )
+    return mm_kwargs
+
+
 def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]:
     from vllm_mmcache_fix import drift_guard as drift
     from vllm_mmcache_fix.drift_guard import processor
@@ -200,17 +215,7 @@ def per_rollback(v: dict[str, Any], entries: int, rounds: int) -> dict[str, Any]
         return sender, merge
 
     def rejected_request(sender: Any, merge: Any, n: int) -> Any:
-        hashes = [f"img{entries // 2 + n}", f"new{n}"]
-        cached = sender.is_cached(hashes)
-        mm_kwargs, _ = merge(
-            _STUB,
-            sender,
-            mm_hashes={"image": hashes},
-            mm_is_cached={"image": cached},
-            mm_missing_kwargs={"image": [v["item"]() for c in cached if not c]},
-            mm_missing_prompt_updates={"image": [[] for c in cached if not c]},
-        )
-        return mm_kwargs
+        return _merged(v, sender, merge, [f"img{entries // 2 + n}", f"new{n}"])
 
     drift.install()
     times: list[float] = []
@@ -248,16 +253,7 @@ def per_burst(v: dict[str, Any], requests: int, rounds: int) -> dict[str, Any]:
 
     def render(sender: Any, merge: Any, n: int) -> Any:
         hashes = [f"r{n}-{i}" for i in range(3)] + ["shared"]
-        cached = sender.is_cached(hashes)
-        mm_kwargs, _ = merge(
-            _STUB,
-            sender,
-            mm_hashes={"image": hashes},
-            mm_is_cached={"image": cached},
-            mm_missing_kwargs={"image": [v["item"]() for c in cached if not c]},
-            mm_missing_prompt_updates={"image": [[] for c in cached if not c]},
-        )
-        return {"mm_kwargs": mm_kwargs, "mm_hashes": {"image": hashes}}
+        return {"mm_kwargs": _merged(v, sender, merge, hashes), "mm_hashes": {"image": hashes}}
 
     commits: list[float] = []
     paths: list[float] = []
