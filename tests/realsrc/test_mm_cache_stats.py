@@ -192,7 +192,10 @@ def test_two_threads_are_counted_and_never_hang(outcomes: dict, case) -> None:
     # Increments are plain += as vLLM's own: under forced switching a few may be lost,
     # never invented.
     assert 0 < threaded["hits"] + threaded["misses"] <= 6000
-    assert threaded["hits"] + threaded["misses"] >= 0.9 * threaded["lookups"]
+    # A lookup whose insert raised is not counted; otherwise none is lost (no thread switch
+    # falls between an increment's read and write), however loaded the machine.
+    counted = threaded["hits"] + threaded["misses"] + len(threaded["errors"])
+    assert counted >= 0.99 * threaded["lookups"], threaded
     assert threaded["evictions"] > 0
     assert len(threaded["errors"]) < 600, threaded["errors"][:5]
 

@@ -139,7 +139,11 @@ class FixedLRUMixin:
             self._total += 1
             hits = self._mmfix_stats.hits  # metrics-only
             modality = modality_of(value)  # metrics-only
-            hits[modality] = hits.get(modality, 0) + 1  # metrics-only
+            try:  # metrics-only
+                hits[modality] += 1  # no call between read and write: no thread switch there
+            except KeyError:  # metrics-only
+                hits.setdefault(modality, 0)  # metrics-only (another thread may have set it)
+                hits[modality] += 1  # metrics-only
             return value
         self._total += 1
         self._mmfix_stats.unfilled += 1  # metrics-only
@@ -305,7 +309,11 @@ def _count_miss(stats: CacheStats, value: Any) -> None:
         stats.unfilled -= 1
     misses = stats.misses
     modality = modality_of(value)
-    misses[modality] = misses.get(modality, 0) + 1
+    try:
+        misses[modality] += 1  # no call between read and write: no thread switch there
+    except KeyError:
+        misses.setdefault(modality, 0)
+        misses[modality] += 1
 
 
 TOO_LARGE = "value too large"

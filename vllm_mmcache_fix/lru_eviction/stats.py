@@ -8,8 +8,11 @@ eviction in ``popitem`` (``clear`` not included), an item too large in ``__setit
 are what cachetools already tracks (``currsize``, ``maxsize``, ``len``), read by
 :func:`flat_counts` for ``/metrics``; no item is ever walked.
 
-The increments are plain ``+=`` under the GIL, as vLLM's own ``_hits``/``_total``: two threads
-can, rarely, lose one increment; a counter never goes backwards for it.
+The increments are plain ``+=`` under the GIL, as vLLM's own ``_hits``/``_total``, with no call
+between the read and the write (``d[k] += 1``, not ``d[k] = d.get(k, 0) + 1``): CPython switches
+threads at calls and loop jumps, so a switch there would let a thread write back a count that is
+stale by everything the other thread counted meanwhile (a tenth of the misses on a loaded
+machine). A lost increment stays possible, and rare; a counter never goes backwards for it.
 
 This module does not import vLLM. The role of a cache is told by the value type vLLM builds it
 for (``MultiModalCache.get_lru_cache(capacity_gb, value_type)``, the same three classes in
