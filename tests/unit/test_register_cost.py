@@ -252,7 +252,9 @@ def test_a_record_behaves_as_a_frozen_dataclass() -> None:
 
 
 def test_records_replace_the_dataclasses_every_process_loads() -> None:
-    """The eviction fix's path (every vLLM process) builds no dataclass."""
+    """What ``register()`` loads and builds in a worker, EngineCore, the API server and an
+    ``LLM(...)`` process (the eviction fix, the drift guard and its state, the engine's
+    answer, the sentinel) builds no dataclass."""
     code = textwrap.dedent(
         """
         import dataclasses, json
@@ -264,6 +266,10 @@ def test_records_replace_the_dataclasses_every_process_loads() -> None:
         dataclasses.dataclass = counting
         import vllm_mmcache_fix.lru_eviction.fix
         import vllm_mmcache_fix.vllm_layout
+        import vllm_mmcache_fix.engine_liveness.answer
+        import vllm_mmcache_fix.stall_sentinel.fix
+        from vllm_mmcache_fix.drift_guard.state import GuardState
+        GuardState()
         print(json.dumps(len(made)))
         """
     )

@@ -16,7 +16,6 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..core import log
@@ -27,13 +26,18 @@ from .stats import DriftStats
 LOG_INTERVAL_S = 60.0
 
 
-@dataclass(eq=False)
 class Record:
     """A processed multimodal input on its way to an ``EngineCoreRequest``."""
 
-    key: int
-    journal: Journal | None
-    replay: Callable[[], Any] | None
+    __slots__ = ("key", "journal", "replay")
+
+    def __init__(self, key: int, journal: Journal | None, replay: Callable[[], Any] | None) -> None:
+        self.key = key
+        self.journal = journal
+        self.replay = replay
+
+    def __repr__(self) -> str:
+        return f"Record(key={self.key!r}, journal={self.journal!r}, replay={self.replay!r})"
 
 
 class Entry(NamedTuple):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..core import log
@@ -88,39 +87,36 @@ class Sites(NamedTuple):
         return cls(**{attr: errors.site(name) for attr, name in SITE_NAMES.items()})
 
 
-@dataclass
 class GuardState:
-    mode: str | None = None
-    installed: bool = False
-    tracking: bool = False
-    """A sender cache is tracked in this process (so this is the API server)."""
-    switched_off: str | None = None
-    """Why tracking was switched off for good (an internal error), or None."""
-    patched: dict[str, str] = field(default_factory=dict)
-    sender_types: tuple[type, ...] = ()
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    fix: Any = None
-    """The :class:`~.fix.DriftGuard` that owns this state (``fix.note``, ``fix.announce``)."""
-    errors: InternalErrors | None = None
-    """The fix's error book; ``sites`` are its entries."""
-    sites: Sites = field(init=False)
-    stats: DriftStats = field(default_factory=DriftStats)
-    pending: PendingTable = field(init=False)
-    attempts: AttemptTable = field(default_factory=AttemptTable)
-    drift_limiter: log.RateLimiter = field(
-        default_factory=lambda: log.RateLimiter(DRIFT_LOG_INTERVAL_S)
-    )
-    """One log line per interval for drifted requests (recovery)."""
-    shadows: weakref.WeakSet[Shadow] = field(default_factory=weakref.WeakSet)
-    """The tracked sender caches: attached on whichever thread first uses one, read on the
-    event loop; changed and copied under ``_shadows_lock`` only (:meth:`live_shadows`)."""
-    _shadows_lock: threading.Lock = field(default_factory=threading.Lock)
+    """The guard's state in this process (a plain class: built in every API server, where a
+    dataclass would compile its methods at start-up)."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, fix: Any = None, errors: InternalErrors | None = None) -> None:
+        self.mode: str | None = None
+        self.installed = False
+        self.tracking = False
+        """A sender cache is tracked in this process (so this is the API server)."""
+        self.switched_off: str | None = None
+        """Why tracking was switched off for good (an internal error), or None."""
+        self.patched: dict[str, str] = {}
+        self.sender_types: tuple[type, ...] = ()
+        self.lock = threading.RLock()
+        self.fix = fix
+        """The :class:`~.fix.DriftGuard` that owns this state (``fix.note``, ``fix.announce``)."""
+        if errors is None:
+            errors = InternalErrors(FIX_ID, lambda where, exc: None)
+        self.errors: InternalErrors = errors
+        """The fix's error book; ``sites`` are its entries."""
+        self.sites = Sites.of(errors)
+        self.stats = DriftStats()
         self.pending = PendingTable(self.stats)
-        if self.errors is None:
-            self.errors = InternalErrors(FIX_ID, lambda where, exc: None)
-        self.sites = Sites.of(self.errors)
+        self.attempts = AttemptTable()
+        self.drift_limiter = log.RateLimiter(DRIFT_LOG_INTERVAL_S)
+        """One log line per interval for drifted requests (recovery)."""
+        self.shadows: weakref.WeakSet[Shadow] = weakref.WeakSet()
+        """The tracked sender caches: attached on whichever thread first uses one, read on the
+        event loop; changed and copied under ``_shadows_lock`` only (:meth:`live_shadows`)."""
+        self._shadows_lock = threading.Lock()
 
     def reset(self) -> None:
         """As built (the lock, the tables and the counters stay the same objects)."""
