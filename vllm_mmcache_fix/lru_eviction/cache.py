@@ -137,12 +137,13 @@ class FixedLRUMixin:
                 return getattr(type(self), BASE_ATTR).get(self, key, default)
             self._hits += 1
             self._total += 1
+            # No call between the count's read and write: no thread switch there (stats).
             hits = self._mmfix_stats.hits  # metrics-only
             modality = modality_of(value)  # metrics-only
             try:  # metrics-only
-                hits[modality] += 1  # no call between read and write: no thread switch there
+                hits[modality] += 1  # metrics-only
             except KeyError:  # metrics-only
-                hits.setdefault(modality, 0)  # metrics-only (another thread may have set it)
+                hits.setdefault(modality, 0)  # metrics-only
                 hits[modality] += 1  # metrics-only
             return value
         self._total += 1
