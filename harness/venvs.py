@@ -549,13 +549,17 @@ RESULT_PREFIX = "RESULT "
 """The line a program run inside a venv prints its result on, as JSON."""
 
 
-def run_result(
-    venv: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
-) -> dict:
+def run_results(
+    venv: Path,
+    *args: str,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    check: bool = False,
+) -> list[dict]:
     """Run ``args`` with the venv's Python from the repository's root (the checkout's
     package and harness importable; vLLM's CPU platform; no other variable of this
-    process) and return the JSON of its last ``RESULT`` line. AssertionError with the end
-    of its stderr when it printed none."""
+    process) and return the JSON of each ``RESULT`` line. AssertionError with the end of
+    its stderr when it printed none, or (``check``) when it exited with an error."""
     proc = subprocess.run(
         [python(venv), *args],
         capture_output=True,
@@ -572,8 +576,15 @@ def run_result(
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     assert lines, f"exit {proc.returncode}, no {RESULT_PREFIX}line: {proc.stderr[-3000:]}"
-    result: dict = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    return result
+    assert not check or proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return [json.loads(line[len(RESULT_PREFIX) :]) for line in lines]
+
+
+def run_result(
+    venv: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> dict:
+    """:func:`run_results`' last result."""
+    return run_results(venv, *args, timeout=timeout, env=env)[-1]
 
 
 def venv_dist_version(venv: Path, dist: str) -> str | None:

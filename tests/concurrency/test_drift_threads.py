@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.paths import REPO_ROOT
-from harness.venvs import python
+from harness.venvs import run_results
 
 VERSIONS = ("0.23.0", "0.32.0")
 SECONDS = float(os.environ.get("MMCACHE_HARNESS_CONCURRENCY_SECONDS", "8"))
@@ -37,22 +35,16 @@ PROGRAM = Path(__file__).with_name("drift_threads.py")
 
 
 def run(venv: Path, *args: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [python(venv), str(PROGRAM), "--seconds", str(SECONDS), *args],
-        capture_output=True,
-        text=True,
+    results = run_results(
+        venv,
+        str(PROGRAM),
+        "--seconds",
+        str(SECONDS),
+        *args,
         timeout=900,  # importing vLLM on a loaded machine; the runs stop by themselves
-        cwd=str(REPO_ROOT),
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(Path.home()),
-            "PYTHONPATH": str(REPO_ROOT),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        },
+        env={"PYTHONDONTWRITEBYTECODE": "1"},
+        check=True,
     )
-    results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, proc.stderr[-3000:]
     for result in results:
         print(json.dumps(result))
     return results

@@ -206,11 +206,24 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def _diagnose_reports(children: Children, *serve_args: str) -> list[tuple[str, str]]:
+    """``diagnose`` of a process started as ``vllm serve /models/m <serve_args>``, as text
+    and as JSON: (its output, its one process' command line in --json or "")."""
+    proc = children.start(SERVER_LIKE, "serve", "/models/m", *serve_args)
+    assert read_line(proc) == "ready"
+    reports = []
+    for extra in ([], ["--json"]):
+        done = _cli("diagnose", "--pid", str(proc.pid), "--interval", "0.5", *extra)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        cmdline = json.loads(done.stdout)["processes"][0]["cmdline"] if extra else ""
+        reports.append((out, cmdline))
+    return reports
+
+
 def test_diagnose_of_a_process_started_with_an_api_key(children: Children) -> None:
-    proc = children.start(
-        SERVER_LIKE,
-        "serve",
-        "/models/m",
+    reports = _diagnose_reports(
+        children,
         "--api-key",
         API_KEY,
         f"--hf-token={HF_TOKEN}",
@@ -219,18 +232,13 @@ def test_diagnose_of_a_process_started_with_an_api_key(children: Children) -> No
         "--port",
         "8000",
     )
-    assert read_line(proc) == "ready"
-    for extra in ([], ["--json"]):
-        done = _cli("diagnose", "--pid", str(proc.pid), "--interval", "0.5", *extra)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out
+    for out, _ in reports:
         for secret in (API_KEY, HF_TOKEN, KEYFILE):
             assert secret not in out, (secret, out)
-        if extra:
-            [report] = json.loads(done.stdout)["processes"]
-            assert f"--api-key {REDACTED}" in report["cmdline"], report["cmdline"]
-            assert f"--hf-token={REDACTED}" in report["cmdline"]
-            assert report["cmdline"].endswith("--port 8000")
+    cmdline = reports[1][1]
+    assert f"--api-key {REDACTED}" in cmdline, cmdline
+    assert f"--hf-token={REDACTED}" in cmdline
+    assert cmdline.endswith("--port 8000")
 
 
 def test_check_hides_secret_named_settings() -> None:
@@ -253,10 +261,8 @@ def test_diagnose_of_a_process_with_secrets_in_json_and_several_api_keys(
     children: Children,
 ) -> None:
     config = '{"kv_connector_extra_config": {"api_key": "Zq9-nested-secret", "port": 5}}'
-    proc = children.start(
-        SERVER_LIKE,
-        "serve",
-        "/models/m",
+    reports = _diagnose_reports(
+        children,
         "--kv-transfer-config",
         config,
         "--api-key",
@@ -265,13 +271,8 @@ def test_diagnose_of_a_process_with_secrets_in_json_and_several_api_keys(
         "--port",
         "8000",
     )
-    assert read_line(proc) == "ready"
-    for extra in ([], ["--json"]):
-        done = _cli("diagnose", "--pid", str(proc.pid), "--interval", "0.5", *extra)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out
+    for out, _ in reports:
         assert "Zq9" not in out, out
-        if extra:
-            [report] = json.loads(done.stdout)["processes"]
-            assert f"--api-key {REDACTED} {REDACTED} --port 8000" in report["cmdline"]
-            assert '"port": 5' in report["cmdline"]
+    cmdline = reports[1][1]
+    assert f"--api-key {REDACTED} {REDACTED} --port 8000" in cmdline
+    assert '"port": 5' in cmdline
