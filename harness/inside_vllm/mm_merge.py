@@ -19,7 +19,22 @@ def merge_images(
     """``sender.is_cached(hashes)``, then ``merge`` (the unbound ``_merge_mm_kwargs``) of
     the images ``hashes``, ``new_item(hash)`` the data of each one not cached; returns the
     request's ``mm_kwargs``."""
+    return lookup_and_merge(merge, sender, hashes, new_item)[1]
+
+
+def lookup_and_merge(
+    merge: Callable[..., Any],
+    sender: Any,
+    hashes: list[str],
+    new_item: Callable[[str], Any],
+    pause: Callable[[], Any] | None = None,
+) -> tuple[list[bool], Any]:
+    """:func:`merge_images`, with ``pause()`` between the lookup and the merge (where vLLM
+    runs the HF processor on the images not cached); returns the lookup's answers and the
+    request's ``mm_kwargs``."""
     cached = sender.is_cached(hashes)
+    if pause is not None:
+        pause()
     missing = [h for h, c in zip(hashes, cached) if not c]
     mm_kwargs, _ = merge(
         STUB,
@@ -29,4 +44,4 @@ def merge_images(
         mm_missing_kwargs={"image": [new_item(h) for h in missing]},
         mm_missing_prompt_updates={"image": [[] for _ in missing]},
     )
-    return mm_kwargs
+    return cached, mm_kwargs

@@ -28,7 +28,7 @@ import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate)
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 
-from harness.inside_vllm.mm_merge import STUB
+from harness.inside_vllm.mm_merge import lookup_and_merge
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import recovery
 from vllm_mmcache_fix.drift_guard.attempts import Attempt, ReplayBudget
@@ -47,17 +47,8 @@ state = drift.GUARD.state
 def request(hashes: list[str], pause: Any = None) -> tuple[list[bool], Any]:
     """What vLLM's processor does with the cache: which items are cached, the HF processor
     on the others (``pause``), then the merge."""
-    cached = p0.is_cached(hashes)
-    if pause is not None:
-        pause()
-    missing = [h for h, c in zip(hashes, cached) if not c]
-    out, _ = merge(
-        STUB,
-        p0,
-        mm_hashes={"image": hashes},
-        mm_is_cached={"image": cached},
-        mm_missing_kwargs={"image": [torch.zeros(1000, dtype=torch.uint8) for _ in missing]},
-        mm_missing_prompt_updates={"image": [[] for _ in missing]},
+    cached, out = lookup_and_merge(
+        merge, p0, hashes, lambda h: torch.zeros(1000, dtype=torch.uint8), pause
     )
     record = state.pending.take(out)
     if record is not None and record.journal is not None:
