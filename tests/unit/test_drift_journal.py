@@ -835,3 +835,26 @@ def test_commits_leave_the_order_as_moving_every_pending_key_would() -> None:
             assert list(fast_cache._LRUCache__order) == list(ref_cache._LRUCache__order), seed
             assert (fast.seq, fast.base, fast.misplaced) == (ref.seq, ref.base, ref.misplaced)
             assert fast_cache._Cache__data == ref_cache._Cache__data, seed
+
+
+def test_resolved_journals_keep_no_other_alive_under_eviction_pressure() -> None:
+    # Six requests in flight over a cache of four: each new image evicts one a request still
+    # pending inserted, so each journal names the one before it. Kept past their resolution,
+    # every journal since the first stayed alive (4,000 after 4,000 requests).
+    import gc
+
+    cache, shadow = sender("", maxsize=4)
+    in_flight: list[Journal] = []
+    for n in range(2000):
+        journal = Journal(shadow)
+        send(cache, journal, [f"img{n}"])
+        in_flight.append(journal)
+        if len(in_flight) > 6:
+            first = in_flight.pop(0)
+            assert (shadow.commit if n % 3 else shadow.rollback)(first)
+    del journal, first
+    gc.collect()
+    alive = sum(1 for o in gc.get_objects() if type(o) is Journal)
+    # The pending ones, and resolved ones waiting in the heap of oldest moves (bounded).
+    assert alive <= len(in_flight) + 2 * len(shadow.pending) + 64, alive
+    assert len(shadow.pending) == len(in_flight)

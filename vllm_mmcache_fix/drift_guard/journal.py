@@ -97,6 +97,13 @@ class Journal:
             self.epoch = shadow.epoch
             shadow.pending[self] = None
 
+    def resolved(self) -> None:
+        """Committed or rolled back (under the shadow's lock): what only its own resolution
+        reads goes. An entry it evicted names the pending request that had inserted it, which
+        names the one before: kept, every journal since the server started stayed alive."""
+        self.evicted = []
+        self.adopted = {}
+
 
 class Rollback:
     """What a rollback did."""
@@ -337,18 +344,21 @@ class Shadow:
                 return False
             journal.state = COMMITTED
             self.pending.pop(journal, None)
-            if journal.epoch != self.epoch:
-                return False
-            self._release(journal)
-            owner = self.owner
-            for key in journal.inserted:
-                if owner.get(key) is journal:
-                    del owner[key]
-            for key in journal.adopted:
-                if owner.get(key) is journal:
-                    del owner[key]
-            self._arrive(journal)
-            self.prune()
+            try:
+                if journal.epoch != self.epoch:
+                    return False
+                self._release(journal)
+                owner = self.owner
+                for key in journal.inserted:
+                    if owner.get(key) is journal:
+                        del owner[key]
+                for key in journal.adopted:
+                    if owner.get(key) is journal:
+                        del owner[key]
+                self._arrive(journal)
+                self.prune()
+            finally:
+                journal.resolved()
         return True
 
     def _arrive(self, journal: Journal) -> None:
@@ -406,88 +416,95 @@ class Shadow:
                 return Rollback(False)
             journal.state = ROLLED_BACK
             self.pending.pop(journal, None)
-            if journal.epoch != self.epoch:
-                return Rollback(False)
-            self._release(journal)
-            # Entries were evicted after this request was processed: those choices
-            # were made with its moves in place, which EngineCore never saw.
-            late = journal.evictions_mark not in (None, self.evictions)
-            lru = self.lru
-            data = lru._Cache__data
-            owner, seq = self.owner, self.seq
-            removed = restored = 0
-            changed: list[Key] = []  # keys whose place in the order changed
-            for key in journal.inserted:
-                if owner.get(key) is journal:
-                    del owner[key]
-                    if key in data:
-                        self._drop(key)
-                        removed += 1
-            for key, previous in journal.adopted.items():
-                if owner.get(key) is not journal:
-                    continue
-                if previous.state == PENDING and previous.epoch == self.epoch:
-                    owner[key] = previous
-                elif previous.state == COMMITTED:
-                    del owner[key]
-                else:
-                    del owner[key]
-                    if key in data:
-                        self._drop(key)
-                        removed += 1
-            for key, before in journal.prev_seq.items():
-                if before is None:
-                    continue
-                if late:
-                    # EngineCore kept the key at its old place and may have evicted
-                    # it where P0 evicted others (even if a later request moved it
-                    # too, or evicted it since: a rollback may bring it back).
-                    self.doubtful.add(key)
-                if key not in data:
-                    continue
-                position = self._position(key)
-                if position is None or seq.get(key) == position:
-                    continue
-                seq[key] = position
-                changed.append(key)
-            for key in journal.cleared:
+            try:
+                return self._undo(journal)
+            finally:
+                journal.resolved()
+
+    def _undo(self, journal: Journal) -> Rollback:
+        """The work of :meth:`rollback` (under the lock)."""
+        if journal.epoch != self.epoch:
+            return Rollback(False)
+        self._release(journal)
+        # Entries were evicted after this request was processed: those choices
+        # were made with its moves in place, which EngineCore never saw.
+        late = journal.evictions_mark not in (None, self.evictions)
+        lru = self.lru
+        data = lru._Cache__data
+        owner, seq = self.owner, self.seq
+        removed = restored = 0
+        changed: list[Key] = []  # keys whose place in the order changed
+        for key in journal.inserted:
+            if owner.get(key) is journal:
+                del owner[key]
                 if key in data:
-                    self.doubtful.add(key)
-            # Entries this request evicted are still in EngineCore. Put them back
-            # unless later requests evicted more since: EngineCore then evicted
-            # these instead (they are its oldest), and putting them back would not
-            # match it. Most recently used first: when not all fit, the oldest
-            # stay out.
-            evicted: list[Evicted] = []
-            if journal.evictions_mark in (None, self.evictions):
-                evicted = journal.evicted
-            evicted = sorted(evicted, key=lambda e: -1 if e.seq is None else e.seq, reverse=True)
-            for entry in evicted:
-                key, previous_owner = entry.key, entry.owner
+                    self._drop(key)
+                    removed += 1
+        for key, previous in journal.adopted.items():
+            if owner.get(key) is not journal:
+                continue
+            if previous.state == PENDING and previous.epoch == self.epoch:
+                owner[key] = previous
+            elif previous.state == COMMITTED:
+                del owner[key]
+            else:
+                del owner[key]
                 if key in data:
-                    continue
-                if previous_owner is not None and previous_owner.state == ROLLED_BACK:
-                    continue
-                try:
-                    size = lru.getsizeof(entry.value)
-                except Exception:
-                    break
-                if lru.currsize + size > lru.maxsize:
-                    break
-                lru[key] = entry.value
-                if entry.base is not None:
-                    # (a request that reached EngineCore since may have moved it)
-                    self.base[key] = max(entry.base, self.base.get(key, entry.base))
-                if previous_owner is not None and previous_owner.state == PENDING:
-                    owner[key] = previous_owner
-                if entry.doubtful:
-                    self.doubtful.add(key)  # (one that is doubtful now stays so)
-                position = self._position(key)
-                seq[key] = -1 if position is None else position
-                restored += 1
-                changed.append(key)
-            moved = self._place(changed) if changed else False
-            self.prune()
+                    self._drop(key)
+                    removed += 1
+        for key, before in journal.prev_seq.items():
+            if before is None:
+                continue
+            if late:
+                # EngineCore kept the key at its old place and may have evicted
+                # it where P0 evicted others (even if a later request moved it
+                # too, or evicted it since: a rollback may bring it back).
+                self.doubtful.add(key)
+            if key not in data:
+                continue
+            position = self._position(key)
+            if position is None or seq.get(key) == position:
+                continue
+            seq[key] = position
+            changed.append(key)
+        for key in journal.cleared:
+            if key in data:
+                self.doubtful.add(key)
+        # Entries this request evicted are still in EngineCore. Put them back
+        # unless later requests evicted more since: EngineCore then evicted
+        # these instead (they are its oldest), and putting them back would not
+        # match it. Most recently used first: when not all fit, the oldest
+        # stay out.
+        evicted: list[Evicted] = []
+        if journal.evictions_mark in (None, self.evictions):
+            evicted = journal.evicted
+        evicted = sorted(evicted, key=lambda e: -1 if e.seq is None else e.seq, reverse=True)
+        for entry in evicted:
+            key, previous_owner = entry.key, entry.owner
+            if key in data:
+                continue
+            if previous_owner is not None and previous_owner.state == ROLLED_BACK:
+                continue
+            try:
+                size = lru.getsizeof(entry.value)
+            except Exception:
+                break
+            if lru.currsize + size > lru.maxsize:
+                break
+            lru[key] = entry.value
+            if entry.base is not None:
+                # (a request that reached EngineCore since may have moved it)
+                self.base[key] = max(entry.base, self.base.get(key, entry.base))
+            if previous_owner is not None and previous_owner.state == PENDING:
+                owner[key] = previous_owner
+            if entry.doubtful:
+                self.doubtful.add(key)  # (one that is doubtful now stays so)
+            position = self._position(key)
+            seq[key] = -1 if position is None else position
+            restored += 1
+            changed.append(key)
+        moved = self._place(changed) if changed else False
+        self.prune()
         return Rollback(True, removed, restored, moved)
 
     def invalidate(self, keys: Iterable[Key]) -> int:
