@@ -223,6 +223,12 @@ DP_COLLECTIVES = ("has_unfinished_dp", "sync_dp_state")
 DP_DUMMY_BATCH = "execute_dummy_batch"
 """``EngineCore.execute_dummy_batch()``: a forward pass with no requests, run by an idle DP
 rank while its peers run (a MoE model's collectives wait for the peers' step)."""
+ENGINE_ABORT = "abort_requests"
+"""``EngineCore.abort_requests(request_ids)``: every abort of a client's request goes through
+it, between steps (the ABORT request, through ``_handle_client_request``) and, from 0.13.0,
+inside a step too (``_process_aborts_queue``: what the input thread put on ``aborts_queue``
+while the step ran, aborted before the step's outputs). Called only when there is something
+to abort (0.10.0-0.34.0)."""
 BUSY_LOOP_DISPATCH = "_handle_client_request"
 """``EngineCoreProc._handle_client_request(request_type, request)``: the busy loop runs one
 request from the input queue (``DPEngineCoreProc`` overrides it and calls it for everything

@@ -83,6 +83,32 @@ record.progress.added(record.progress.since - 100.0)  # the request came 100 s a
 for _ in range(3):
     core.EngineCoreProc._process_engine_step(engine)
 livelock = ping(5)["result"]["progress"]
+# The same livelock while a client aborts another waiting request inside a step (vLLM's
+# _process_aborts_queue, fed by the input thread) and another between steps (the ABORT
+# request): the engine did nothing for either, so the clock keeps running.
+def finish_requests(ids, status):
+    for rid in [ids] if isinstance(ids, str) else ids:
+        request = engine.scheduler.requests.pop(rid, None)
+        if request is not None:
+            queue_.remove(request)
+def waiting_request(rid):
+    request = object.__new__(Request)
+    request.request_id, request.status, request.num_computed_tokens = rid, RequestStatus.WAITING, 0
+    engine.scheduler.requests[rid] = request
+    queue_.append(request)
+engine.scheduler.finish_requests = finish_requests
+engine.aborts_queue = queue.Queue()
+for rid in ("in-step", "between"):
+    waiting_request(rid)
+record.progress = type(record.progress)()
+record.progress.added(record.progress.since - 100.0, len(engine.scheduler.requests))
+engine.aborts_queue.put_nowait(["in-step"])
+engine.step_fn = lambda: (engine._process_aborts_queue(), ({}, False))[1]
+core.EngineCoreProc._process_engine_step(engine)
+engine.step_fn = lambda: ({}, False)
+engine._handle_client_request(T.ABORT, ["between"])
+core.EngineCoreProc._process_engine_step(engine)
+aborts = dict(ping(11)["result"]["progress"], left=sorted(engine.scheduler.requests))
 engine.slow_utility = lambda: during.__setitem__("utility", ping(3)) or "done"
 engine._handle_client_request(T.UTILITY, [0, 4, "slow_utility", []])
 _, slow = engine.output_queue.get(timeout=5)
@@ -129,6 +155,7 @@ print(json.dumps({
     "slow_reply": slow.utility_output.result.result,
     "livelock": livelock,
     "queued": queued,
+    "aborts": aborts,
     "collectives": collectives,
     "global_unfinished": global_unfinished,
     "sync": during["sync"]["result"]["loop"],
@@ -182,6 +209,9 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     assert out["slow_reply"] == "done", out
     # A waiting request and steps that schedule nothing: no net progress, counted.
     assert out["livelock"]["stalled_s"] >= 99 and out["livelock"]["empty_steps"] == 3, out
+    # A client's abort inside a step and one between steps: not progress.
+    assert out["aborts"]["left"] == ["w"], out
+    assert out["aborts"]["stalled_s"] >= 99 and out["aborts"]["empty_steps"] == 2, out
     # A request left in the input queue while the loop idles: time without progress.
     assert out["queued"]["queued_s"] >= 49 and out["queued"]["stalled_s"] >= 49, out
     # A DP rank inside the all-reduce or a dummy batch says so (judged by the step bound).
@@ -195,6 +225,7 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     assert out["patched"] == [
         "AsyncLLM.__init__",
         "AsyncLLM.check_health",
+        "EngineCore.abort_requests",
         "EngineCore.execute_dummy_batch",
         "EngineCore.mmcache_fix_ping",
         "EngineCoreProc._handle_client_request",

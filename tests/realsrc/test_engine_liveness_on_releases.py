@@ -196,3 +196,31 @@ def test_requests_are_dispatched_on_the_busy_loop_only(version: str) -> None:
     }
     assert {layout.REQUEST_TYPE_ADD, layout.REQUEST_TYPE_ABORT} <= kinds, kinds
     assert layout.REQUEST_TYPE_UTILITY not in kinds, kinds
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_abort_goes_through_the_method_the_plugin_wraps(version: str) -> None:
+    """A client's abort is not progress: the plugin learns of every abort from
+    ``EngineCore.abort_requests``. Between steps the ABORT request calls it; from 0.13.0 a
+    step also aborts what the input thread put on ``aborts_queue`` meanwhile, through
+    ``_process_aborts_queue``, which calls it too. No other code in ``core.py`` takes a
+    request out of the scheduler for an abort."""
+    classes = _classes(version)
+    core = classes[layout.ENGINE_CORE_CLASS.cls]
+    assert realsrc.class_method(core, layout.ENGINE_ABORT) is not None, version
+    dispatch = realsrc.class_method(
+        classes[layout.ENGINE_PROC_CLASS.cls], layout.BUSY_LOOP_DISPATCH
+    )
+    assert dispatch is not None and _calls_self(dispatch, layout.ENGINE_ABORT), version
+    drains = realsrc.class_method(core, "_process_aborts_queue")
+    if tuple(int(p) for p in version.split(".")[:2]) >= (0, 13):
+        assert drains is not None and _calls_self(drains, layout.ENGINE_ABORT), version
+        for name in ("step", "step_with_batch_queue"):
+            step = realsrc.class_method(core, name)
+            assert step is not None and _calls_self(step, "_process_aborts_queue"), version
+    else:
+        assert drains is None, version
+    text = ast.unparse(realsrc.parse_release_file(version, CORE))
+    assert text.count("FINISHED_ABORTED") == text.count(
+        "finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)"
+    ) + text.count("finish_requests(None, RequestStatus.FINISHED_ABORTED)"), version

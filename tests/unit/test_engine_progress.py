@@ -377,3 +377,82 @@ def test_an_engine_whose_check_turned_off_has_no_seconds_without_progress() -> N
     (figure,) = liveness.progress_figures() or []
     assert figure["engine"] == "EngineCore" and math.isnan(figure["stalled_s"])
     assert math.isnan(liveness.ages()["EngineCore"])
+
+
+def test_a_clients_abort_is_not_progress_so_a_livelock_with_retries_still_stalls() -> None:
+    # The first request waits and is never scheduled; every 30 s the client of a request
+    # behind it times out, aborts and retries (a load balancer's timeout), once between
+    # steps and once inside a step (vLLM's aborts queue). The engine did nothing for either:
+    # read as progress, the clock never passed 30 s and /health stayed 200 for good.
+    sched, p = Scheduler(), Progress()
+    for rid in ("first", "behind"):
+        sched.add(Request(rid))
+    p.added(0.0, len(sched.requests))
+    retries = 0
+    for step in range(1, 3001):  # 150 s of 50 ms steps, nothing scheduled
+        t = step * 0.05
+        if step % 300 == 0:
+            victim = sched.waiting.pop()
+            del sched.requests[victim.request_id]
+            p.client_aborted(sched)
+            if step % 600:  # inside the step: the retry comes after it
+                p.after_step(sched, t)
+            retries += 1
+            sched.add(Request(f"retry{retries}"))
+            p.added(t, len(sched.requests))
+            if step % 600:
+                continue
+        p.after_step(sched, t)
+    assert retries == 10
+    assert p.stalled_s(sched, 150.0) == 150.0 and p.empty_steps == 3000
+
+
+def test_an_abort_of_the_first_running_request_judges_the_next_from_where_it_stands() -> None:
+    sched, p = Scheduler(), Progress()
+    first, second = Request("first"), Request("second")
+    for r in (first, second):
+        sched.add(r)
+    p.added(0.0, len(sched.requests))
+    sched.admit()
+    sched.admit()
+    first.num_computed_tokens = second.num_computed_tokens = 100
+    p.after_step(sched, 1.0)  # the first's first sight: progress
+    for t in range(2, 40):  # both stuck at 100
+        p.after_step(sched, float(t))
+    sched.finish(first)  # its client aborted it
+    p.client_aborted(sched)
+    p.after_step(sched, 40.0)  # the second is first now, still at 100: no progress
+    assert p.stalled_s(sched, 41.0) == 40.0
+    second.num_computed_tokens = 101
+    p.after_step(sched, 42.0)
+    assert p.stalled_s(sched, 42.5) == 0.5
+
+
+def test_a_finish_in_the_step_of_a_clients_abort_is_still_progress() -> None:
+    sched, p = Scheduler(), Progress()
+    requests = [Request(rid) for rid in ("a", "b", "c")]
+    for r in requests:
+        sched.add(r)
+    p.added(0.0, len(sched.requests))
+    sched.admit()
+    requests[0].num_computed_tokens = 8
+    p.after_step(sched, 1.0)
+    p.after_step(sched, 2.0)  # stuck at 8
+    sched.waiting.pop()  # "c": aborted inside the step, before its outputs
+    del sched.requests["c"]
+    p.client_aborted(sched)
+    sched.finish(requests[0])  # then "a" finished in that step
+    p.after_step(sched, 3.0)
+    assert p.stalled_s(sched, 3.5) == 0.5
+
+
+def test_the_remedys_own_abort_restarts_the_clock() -> None:
+    sched, p = Scheduler(), Progress()
+    sched.add(Request("stuck"))
+    sched.add(Request("next"))
+    p.added(0.0, len(sched.requests))
+    for t in range(1, 70):
+        p.after_step(sched, float(t))
+    assert p.stalled_s(sched, 70.0) == 70.0
+    p.aborted(70.0)
+    assert p.stalled_s(sched, 71.0) == 1.0

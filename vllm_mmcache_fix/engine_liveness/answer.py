@@ -48,6 +48,7 @@ from ..vllm_layout import (
     BUSY_LOOP_STEP,
     DP_COLLECTIVES,
     DP_DUMMY_BATCH,
+    ENGINE_ABORT,
     ENGINE_CORE_CLASS,
     ENGINE_INPUT_QUEUE,
     ENGINE_PING_METHOD,
@@ -272,6 +273,10 @@ class EngineLivenessAnswer(Fix):
         for attr, make in wrappers:
             if registry.wrap(PATCH_ID, proc, attr, functools.partial(make, self)):
                 self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{attr}")
+        # A client's aborts, between steps or inside one: not progress.
+        if callable(_own(core, ENGINE_ABORT)):
+            if registry.wrap(PATCH_ID, core, ENGINE_ABORT, functools.partial(make_aborts, self)):
+                self.targets.append(f"{core.__module__}.{core.__qualname__}.{ENGINE_ABORT}")
         # A DP rank's waits for its peers: judged as a step, not as the loop stopping.
         config = getattr(module, PARALLEL_CONFIG, None)
         waits = [(config, attr, "dp all-reduce", False) for attr in DP_COLLECTIVES]
@@ -368,10 +373,19 @@ class EngineLivenessAnswer(Fix):
                 scheduler = engine.__dict__.get(SCHEDULER_ATTR) if engine is not None else None
                 held = getattr(scheduler, "requests", None)
                 record.progress.added(now, None if held is None else len(held))
-            elif state == ABORT:
-                record.progress.aborted(now)
             elif state in (UTILITY, SYNC):
                 record.progress.skip(now - since)
+
+    def after_aborts(self, engine: Any) -> None:
+        """``engine`` aborted requests (a client's, or the remedy's): no progress (the remedy
+        restarts the clock itself). Inside a step this comes before the step's finishes."""
+        if not self.progressing:
+            return
+        with self._progress_site:
+            record = engine.__dict__.get(ENGINE_ATTR)
+            scheduler = engine.__dict__.get(SCHEDULER_ATTR)
+            if record is not None and scheduler is not None:
+                record.progress.client_aborted(scheduler)
 
     def abort_stuck(self, engine: Any, record: Adopted, now: float) -> None:
         """After a step, on the busy loop's thread: at the ``no_progress`` verdict, abort the
@@ -661,6 +675,19 @@ def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: boo
                 fix.leave(token)
 
     return wait_for_peers
+
+
+def make_aborts(fix: EngineLivenessAnswer, original: Any) -> Any:
+    """``EngineCore.abort_requests``: the progress clock learns of the aborts after vLLM's
+    call (outside the guarded part). Called only when there is something to abort: no cost
+    per step."""
+
+    def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        fix.after_aborts(self)
+        return result
+
+    return abort_requests
 
 
 def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:

@@ -98,6 +98,7 @@ ANSWER = Declaration(
                 "vllm.config.ParallelConfig.has_unfinished_dp",
                 "vllm.config.ParallelConfig.sync_dp_state",
                 "vllm.v1.engine.core.EngineCore.execute_dummy_batch",
+                "vllm.v1.engine.core.EngineCore.abort_requests",
                 "EngineCoreProc.input_queue.put_nowait (each running engine)",
             ),
             why=(

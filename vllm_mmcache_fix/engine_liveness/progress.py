@@ -5,11 +5,16 @@ Activity is not progress: a scheduler that schedules nothing for a request it ca
 ping answered. So the busy loop records, after each step and in O(1), whether the engine
 made **net progress**:
 
-- a request finished or was aborted (the scheduler holds fewer requests than after the last
-  step or add: a saturated engine whose every request finishes in its step, as many
+- a request finished (the scheduler holds fewer requests than after the last step, add or
+  client abort: a saturated engine whose every request finishes in its step, as many
   arriving meanwhile, progresses), or
 - the first running request's computed tokens passed their high-water mark (a request
   preempted and recomputed does not progress until it passes the point it had reached).
+
+A client's abort is not progress: the engine did nothing for it, and in a livelock the
+stuck requests' clients time out, abort and retry (a load balancer's 30 s timeout would
+otherwise keep the clock from ever reaching the timeout). Only the remedy's own abort of a
+stuck request restarts the clock (:meth:`Progress.aborted`).
 
 Vllm's scheduler serves its running list in order, so the first running request is
 scheduled first in every step that schedules anything: a healthy step moves it. Only that
@@ -100,7 +105,21 @@ class Progress:
             self.since = now
 
     def aborted(self, now: float) -> None:
+        """The remedy aborted the oldest stuck request: the clock restarts."""
         self.since = now
+
+    def client_aborted(self, scheduler: Any) -> None:
+        """A client's abort took requests out of the scheduler (between steps, or inside one
+        before its outputs): no progress. The count after it is the reference, and the request
+        it leaves first in the running list is judged from where it stands (its first sight
+        as the first is not progress)."""
+        if self.usable is False:
+            return
+        self.requests = len(scheduler.requests)
+        running = scheduler.running
+        if running:
+            first = running[0]
+            first.__dict__.setdefault(HWM_ATTR, first.num_computed_tokens)
 
     def skip(self, seconds: float) -> None:
         """Time the busy loop spent in a utility call does not count."""
