@@ -115,6 +115,8 @@ DRIFT_TARGETS: tuple[DriftTarget, ...] = (
             ClassLayout("vllm.multimodal.processing", "BaseMultiModalProcessor", "0.10.0-0.14"),
         ),
         required=("_merge_mm_kwargs", "apply"),
+        # The cache lookup that fails an item sent without data (its UUID only): 0.11.0+.
+        optional=("_get_cache_missing_items",),
     ),
     DriftTarget(
         "process_inputs",

@@ -54,3 +54,19 @@ def test_a_recovery_leaves_the_image_to_a_request_that_found_it_cached(
     assert got["bystander"] == {"cached": [True, False], "outcome": "ok"}
     assert got["cached_after_recovery"] == [False]  # sent with its data from now on
     assert got["next_request_cached"] == [False] and got["then_cached"] == [True]
+
+
+UUID_ONLY = Path(__file__).with_name("drift_uuid_only.py")
+
+
+@pytest.mark.parametrize("version", REAL_VERSIONS)
+def test_an_image_sent_by_its_uuid_only_keeps_vllms_answer(version: str, vllm_venv) -> None:
+    """A client may refer to a cached image by its UUID without data. The guard makes a key
+    another request is still processing (or a doubtful one) look uncached so that its data
+    is sent; without data vLLM then failed the request (``Cache miss ... data is not
+    provided``), where vLLM alone answers it. An item with data is still sent its data."""
+    got = run_result(vllm_venv(version), str(UUID_ONLY))
+    assert got["vllm"] == version and got["switched_off"] is None
+    assert "processor" in got["patched"]
+    for case in ("while_pending", "doubtful"):
+        assert got["results"][case] == {"uuid_only": [True], "with_data": [False]}, got

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from harness import realsrc
@@ -67,3 +69,41 @@ def test_drift_targets_exist_on_releases_with_a_sender_cache(version: str, targe
         return
     found = [c for c in target.candidates if _class_with(version, c.module, c.cls, target.required)]
     assert found, (version, target.name)
+
+
+FIRST_UUID_ONLY = (0, 11, 0)
+"""The first release whose cache lookup accepts an item without data (a UUID only)."""
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_lookup_that_fails_an_item_without_data_is_the_one_the_guard_wraps(
+    version: str,
+) -> None:
+    """The drift guard makes pending and doubtful keys look uncached so their data is sent;
+    it keeps vLLM's answer for an item that came without data, which it learns from the
+    processor's ``_get_cache_missing_items(cache, mm_data_items, mm_hashes)``: the method
+    that asks the sender cache and raises for a missing item whose data is None."""
+    target = next(t for t in vllm_layout.DRIFT_TARGETS if t.name == "processor")
+    method = "_get_cache_missing_items"
+    assert method in target.optional
+    found = []
+    for candidate in target.candidates:
+        rel = _file_of(candidate.module, version)
+        node = (
+            None
+            if rel is None
+            else realsrc.top_level_class(realsrc.parse_release_file(version, rel), candidate.cls)
+        )
+        func = None if node is None else realsrc.class_method(node, method)
+        if func is not None:
+            found.append(func)
+    if realsrc.version_key(version) < FIRST_UUID_ONLY:
+        assert all("data is not provided" not in ast.unparse(f) for f in found), version
+        return
+    assert len(found) == 1, version
+    func = found[0]
+    params = [a.arg for a in func.args.args]
+    assert params[:1] == ["self"] and {"cache", "mm_data_items", "mm_hashes"} <= set(params)
+    text = ast.unparse(func)
+    assert "cache.is_cached(" in text and "data is None" in text, version
+    assert "raise ValueError" in text, version

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class RequestScope:
-    __slots__ = ("journal", "replay", "collector", "bypassed")
+    __slots__ = ("journal", "replay", "collector", "bypassed", "lookup")
 
     def __init__(self) -> None:
         self.journal: Journal | None = None
@@ -29,6 +29,9 @@ class RequestScope:
         self.bypassed: set[Any] = set()
         """Keys the guard reported as not cached though vLLM's cache holds them: their
         data goes to EngineCore even though the sender cache has them."""
+        self.lookup: tuple[Any, Any] | None = None
+        """``(mm_data_items, mm_hashes)`` of the cache lookup in progress (inside
+        ``_get_cache_missing_items``): which items came without data."""
 
 
 _local = threading.local()
@@ -41,3 +44,23 @@ def scope() -> RequestScope:
     except AttributeError:
         current = _local.scope = RequestScope()
         return current
+
+
+def sent_without_data(lookup: tuple[Any, Any] | None, key: Any) -> bool:
+    """Whether the lookup in progress has ``key`` only as an item without data (a client
+    referring to a cached item by its UUID: vLLM fails the request when such an item is not
+    cached). False when unsure; never raises."""
+    if lookup is None:
+        return False
+    try:
+        items, hashes = lookup
+        found = False
+        for modality, keys in hashes.items():
+            for index, each in enumerate(keys):
+                if each == key:
+                    if items[modality][index] is not None:
+                        return False
+                    found = True
+        return found
+    except Exception:
+        return False

@@ -24,7 +24,11 @@ Wrapper = Callable[[Any, Any], Any]
 
 WRAPPERS: dict[str, tuple[tuple[str, Wrapper], ...]] = {
     "sender": sender.WRAPPERS,
-    "processor": (("_merge_mm_kwargs", processor.wrap_merge), ("apply", processor.wrap_apply)),
+    "processor": (
+        ("_merge_mm_kwargs", processor.wrap_merge),
+        ("apply", processor.wrap_apply),
+        ("_get_cache_missing_items", processor.wrap_lookup),
+    ),
     "process_inputs": (("process_inputs", processor.wrap_process_inputs),),
     "generate": (
         ("generate", recovery.wrap_generate),

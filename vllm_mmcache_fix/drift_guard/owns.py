@@ -116,8 +116,10 @@ DECLARATION = Declaration(
                 "vllm.multimodal.processing.processor.BaseMultiModalProcessor",
                 "vllm.multimodal.processing.BaseMultiModalProcessor",
             ),
-            "Opens the per-request journal around _merge_mm_kwargs and keeps the inputs of "
-            "apply() so a drifted request can be processed again with its data.",
+            "Opens the per-request journal around _merge_mm_kwargs, keeps the inputs of "
+            "apply() so a drifted request can be processed again with its data, and tells "
+            "the sender cache's lookup (_get_cache_missing_items) which items came without "
+            "data (a UUID only): for those vLLM's answer stands.",
             affected="every release with _merge_mm_kwargs",
         ),
         _companion(

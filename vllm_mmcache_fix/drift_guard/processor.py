@@ -4,6 +4,9 @@
   be processed again with its data (recovery);
 - ``BaseMultiModalProcessor._merge_mm_kwargs``: the sender-cache updates of one
   request happen inside it, so its journal is open exactly then;
+- ``BaseMultiModalProcessor._get_cache_missing_items`` (0.11.0+): the cache lookup; an item
+  a client sent by its UUID only, without data, keeps vLLM's answer there (the guard cannot
+  have its data sent);
 - ``process_inputs``: the commit point. A request that becomes an
   ``EngineCoreRequest`` commits its journal (or, where vLLM's admission control may
   still refuse it, stages it for the hand-off: :mod:`.handoff`); one that raises is
@@ -56,6 +59,25 @@ def wrap_apply(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
             ctx.replay = previous
 
     return apply
+
+
+def wrap_lookup(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    st: GuardState = guard.state
+    items_arg = reader(orig, "mm_data_items", what="_get_cache_missing_items")
+    hashes_arg = reader(orig, "mm_hashes", what="_get_cache_missing_items")
+
+    def _get_cache_missing_items(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not st.live:
+            return orig(self, *args, **kwargs)
+        ctx = scope()
+        previous = ctx.lookup
+        ctx.lookup = (items_arg.get(args, kwargs), hashes_arg.get(args, kwargs))
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            ctx.lookup = previous
+
+    return _get_cache_missing_items
 
 
 def wrap_merge(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:

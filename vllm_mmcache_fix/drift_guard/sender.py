@@ -15,7 +15,7 @@ from ..core import registry
 from ..core.guard import Site
 from ..core.signatures import require_prefix
 from ..vllm_layout import SENDER_LRU_ATTR
-from .context import scope
+from .context import scope, sent_without_data
 from .journal import Shadow
 from .owns import patch_id
 from .state import GuardState
@@ -158,6 +158,10 @@ def wrap_is_cached_item(guard: Any, orig: Callable[[Any, Any], bool]) -> Callabl
                     if shadow.alive:
                         ctx = scope()
                         if shadow.looks_uncached(mm_hash, ctx.journal):
+                            if sent_without_data(ctx.lookup, mm_hash):
+                                # No data to send (the client gave only its UUID): a
+                                # miss would fail the request. vLLM's answer stands.
+                                return hit
                             # Inserted or moved by a request that has not reached
                             # EngineCore yet, or doubtful: have the caller send the data.
                             st.stats.add("tentative_bypasses")
