@@ -5,7 +5,8 @@ The classes are defined in modules registered under vLLM's real module names, so
 The LRU is the real ``LRUCache`` of a released vLLM (:mod:`harness.realsrc`); the sender,
 receiver, processor, input processor and engine follow vLLM's own call pattern:
 
-* P0 processor: ``is_cached`` for every hash, HF processing of the missing items,
+* P0 processor: the lookup (``_get_cache_missing_items``: ``is_cached`` for every hash),
+  HF processing of the missing items,
   then ``_merge_mm_kwargs`` (touch every hash, then ``get_and_update_item`` each);
 * P0 ``process_inputs``: the prompt length check after placeholder expansion;
 * P1: touch every hash, then get or insert each; a hash without data that is not
@@ -158,7 +159,9 @@ class BaseMultiModalProcessor:
     def apply(self, inputs):
         cache = self.cache
         hashes = {"image": [h for h, _ in inputs.images]}
-        is_cached = {"image": cache.is_cached(hashes["image"])}
+        is_cached, _ = self._get_cache_missing_items(
+            cache, mm_data_items={"image": [s for _, s in inputs.images]}, mm_hashes=hashes
+        )
         missing = [(h, s) for (h, s), c in zip(inputs.images, is_cached["image"]) if not c]
         self.hf_runs += len(missing)
         missing_kwargs = {"image": [Item(h, s) for h, s in missing]}
@@ -177,6 +180,22 @@ class BaseMultiModalProcessor:
             "mm_kwargs": mm_kwargs,
             "mm_hashes": hashes,
         }
+
+    def _get_cache_missing_items(self, cache, mm_data_items, mm_hashes):
+        """The lookup: which items are cached, and the data of the others (an item without
+        data that is not cached fails the request, as in vLLM 0.11+)."""
+        mm_is_cached = {m: cache.is_cached(hashes) for m, hashes in mm_hashes.items()}
+        missing = {}
+        for modality, flags in mm_is_cached.items():
+            for idx, cached in enumerate(flags):
+                if not cached:
+                    data = mm_data_items[modality][idx]
+                    if data is None:
+                        raise ValueError(
+                            f"Cache miss for {modality} at index {idx} but data is not provided."
+                        )
+                    missing.setdefault(modality, []).append(data)
+        return mm_is_cached, missing
 
     def _merge_mm_kwargs(
         self, cache, mm_hashes, mm_is_cached, mm_missing_kwargs, mm_missing_prompt_updates

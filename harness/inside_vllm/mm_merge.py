@@ -45,3 +45,29 @@ def lookup_and_merge(
         mm_missing_prompt_updates={"image": [[] for _ in missing]},
     )
     return cached, mm_kwargs
+
+
+def sender_class() -> type:
+    """vLLM's LRU sender cache: ``LruKeyReplicatedSenderCache`` (0.31+,
+    ``vllm/multimodal/cache/lru.py``), ``MultiModalProcessorSenderCache`` before."""
+    import vllm.multimodal.cache as mm_cache
+
+    try:  # 0.31+
+        import vllm.multimodal.cache.lru as mm_lru
+    except ImportError:
+        mm_lru = None
+    mod = mm_lru or mm_cache
+    cls: type | None = getattr(mod, "LruKeyReplicatedSenderCache", None)
+    return cls or mod.MultiModalProcessorSenderCache
+
+
+def cache_config(capacity_gb: float) -> Any:
+    """What vLLM's multimodal cache constructors read of the config:
+    ``get_multimodal_config().mm_processor_cache_gb``."""
+    multimodal = types.SimpleNamespace(mm_processor_cache_gb=capacity_gb)
+    return types.SimpleNamespace(get_multimodal_config=lambda: multimodal)
+
+
+def real_sender(capacity_gb: float) -> Any:
+    """A new sender cache of vLLM's own class, ``capacity_gb`` large."""
+    return sender_class()(cache_config(capacity_gb))

@@ -13,33 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import types
 from typing import Any
 
 import torch
 import vllm
-import vllm.multimodal.cache as mm_cache
-
-try:  # 0.31+
-    import vllm.multimodal.cache.lru as mm_lru
-except ImportError:
-    mm_lru = None
 import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate)
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 
-from harness.inside_vllm.mm_merge import lookup_and_merge
+from harness.inside_vllm.mm_merge import lookup_and_merge, real_sender
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import recovery
 from vllm_mmcache_fix.drift_guard.attempts import Attempt, ReplayBudget
 
 drift.install()
-mod = mm_lru or mm_cache
-sender_cls = getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
-cfg = types.SimpleNamespace(
-    get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=1e-3)
-)
-p0 = sender_cls(cfg)
+p0 = real_sender(1e-3)
 merge = mm_processing.BaseMultiModalProcessor._merge_mm_kwargs
 state = drift.GUARD.state
 

@@ -108,6 +108,7 @@ def test_every_wrapper_has_guarded_sites() -> None:
         "sender.clear_cache",
         "sender.invalidate",
         "processor.apply",
+        "processor._get_cache_missing_items",
         "processor._merge_mm_kwargs:before",
         "processor._merge_mm_kwargs:after",
         "processor._merge_mm_kwargs:failed",

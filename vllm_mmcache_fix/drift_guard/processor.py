@@ -42,42 +42,47 @@ class Replay:
         return self.func(self.processor, *self.args, **self.kwargs)
 
 
-def wrap_apply(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
-    st: GuardState = guard.state
-    s_apply = st.sites.apply
+def _around(
+    st: GuardState,
+    site: Any,
+    field: str,
+    value: Callable[[Callable[..., Any], Any, tuple, dict], Any],
+    orig: Callable[..., Any],
+) -> Callable[..., Any]:
+    """vLLM's ``orig``, with this thread's scope ``field`` set to ``value(wrapper, self, args,
+    kwargs)`` for the call (a nested call sees its own; ``site`` guards the plugin's part)."""
 
-    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not st.live:
             return orig(self, *args, **kwargs)
         ctx = scope()
-        previous = ctx.replay
-        with s_apply:
-            ctx.replay = Replay(apply, self, args, kwargs)
+        previous = getattr(ctx, field)
+        with site:
+            setattr(ctx, field, value(wrapper, self, args, kwargs))
         try:
             return orig(self, *args, **kwargs)
         finally:
-            ctx.replay = previous
+            setattr(ctx, field, previous)
 
-    return apply
+    return wrapper
+
+
+def wrap_apply(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The request's inputs, to run the processor (this wrapper) on them again."""
+    st: GuardState = guard.state
+    return _around(st, st.sites.apply, "replay", Replay, orig)
 
 
 def wrap_lookup(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The lookup's items and keys, to tell the items that came without data."""
     st: GuardState = guard.state
     items_arg = reader(orig, "mm_data_items", what="_get_cache_missing_items")
     hashes_arg = reader(orig, "mm_hashes", what="_get_cache_missing_items")
 
-    def _get_cache_missing_items(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not st.live:
-            return orig(self, *args, **kwargs)
-        ctx = scope()
-        previous = ctx.lookup
-        ctx.lookup = (items_arg.get(args, kwargs), hashes_arg.get(args, kwargs))
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            ctx.lookup = previous
+    def lookup(wrapper: Any, self: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        return items_arg.get(args, kwargs), hashes_arg.get(args, kwargs)
 
-    return _get_cache_missing_items
+    return _around(st, st.sites.lookup, "lookup", lookup, orig)
 
 
 def wrap_merge(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]:

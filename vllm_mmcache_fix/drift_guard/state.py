@@ -31,6 +31,7 @@ SITE_NAMES = {
     "clear": "sender.clear_cache",
     "invalidate": "sender.invalidate",
     "apply": "processor.apply",
+    "lookup": "processor._get_cache_missing_items",
     "merge_before": "processor._merge_mm_kwargs:before",
     "merge_after": "processor._merge_mm_kwargs:after",
     "merge_failed": "processor._merge_mm_kwargs:failed",
@@ -61,6 +62,7 @@ class Sites(NamedTuple):
     clear: Site
     invalidate: Site
     apply: Site
+    lookup: Site
     merge_before: Site
     merge_after: Site
     merge_failed: Site
