@@ -184,6 +184,13 @@ def test_a_new_request_after_a_long_idle_starts_the_clock_then() -> None:
     assert p.stalled_s(sched, 3601.0) == 1.0
 
 
+def test_a_clients_abort_on_a_scheduler_without_vllms_queues_changes_nothing() -> None:
+    p = Progress()
+    p.added(0.0, 3)
+    p.client_aborted(object())  # a custom --scheduler-cls, before its first step
+    assert p.requests == 3 and p.usable is None
+
+
 def test_a_scheduler_without_vllms_queues_is_never_judged() -> None:
     class Custom:
         requests: dict[str, Any] = {}

@@ -113,10 +113,11 @@ class Progress:
         before its outputs): no progress. The count after it is the reference, and the request
         it leaves first in the running list is judged from where it stands (its first sight
         as the first is not progress)."""
-        if self.usable is False:
-            return
-        self.requests = len(scheduler.requests)
-        running = scheduler.running
+        requests = getattr(scheduler, "requests", None)
+        running = getattr(scheduler, "running", None)
+        if self.usable is False or requests is None or running is None:
+            return  # a scheduler without vLLM's queues is never judged
+        self.requests = len(requests)
         if running:
             first = running[0]
             first.__dict__.setdefault(HWM_ATTR, first.num_computed_tokens)
