@@ -76,3 +76,39 @@ def test_every_site_name_has_one_place() -> None:
     assert list(SITE_NAMES) == list(Sites._fields)
     sites = DriftGuard().state.sites
     assert [s.name for s in sites] == list(SITE_NAMES.values())
+
+
+def test_an_optional_method_of_an_older_shape_is_left_alone_and_the_rest_is_patched() -> None:
+    # vLLM 0.10.0's lookup takes (cache, mm_data_items, hf_processor_mm_kwargs,
+    # tokenization_kwargs): no mm_hashes. It is left as it is; the processor's other
+    # methods are still wrapped (a mismatch of a required one undoes the target).
+    from vllm_mmcache_fix.core import registry
+    from vllm_mmcache_fix.drift_guard.fix import patch_id
+    from vllm_mmcache_fix.vllm_layout import DRIFT_TARGETS
+
+    class BaseMultiModalProcessor:
+        def apply(self, *args: object, **kwargs: object) -> None: ...
+
+        def _merge_mm_kwargs(
+            self, cache: object, mm_hashes: object, mm_is_cached: object, **kwargs: object
+        ) -> None: ...
+
+        def _get_cache_missing_items(
+            self,
+            cache: object,
+            mm_data_items: object,
+            hf_processor_mm_kwargs: object,
+            tokenization_kwargs: object,
+        ) -> None: ...
+
+    lookup = BaseMultiModalProcessor.__dict__["_get_cache_missing_items"]
+    target = next(t for t in DRIFT_TARGETS if t.name == "processor")
+    guard = DriftGuard()
+    try:
+        assert guard._patch(target, BaseMultiModalProcessor) is None
+        assert registry.is_patched(BaseMultiModalProcessor, "apply")
+        assert registry.is_patched(BaseMultiModalProcessor, "_merge_mm_kwargs")
+        assert BaseMultiModalProcessor.__dict__["_get_cache_missing_items"] is lookup
+    finally:
+        registry.revert_patch(patch_id("processor"))
+    assert not registry.is_patched(BaseMultiModalProcessor, "apply")

@@ -146,6 +146,8 @@ class DriftGuard(Fix):
             try:
                 registry.wrap(patch_id(target.name), cls, attr, functools.partial(make, self))
             except SignatureMismatch as exc:
+                if attr in target.optional:
+                    continue  # an older shape of an optional method (0.10.0's lookup)
                 registry.revert_patch(patch_id(target.name))
                 return str(exc)
         return None
