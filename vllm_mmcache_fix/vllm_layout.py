@@ -225,6 +225,15 @@ DP_COLLECTIVES = ("has_unfinished_dp", "sync_dp_state")
 DP_DUMMY_BATCH = "execute_dummy_batch"
 """``EngineCore.execute_dummy_batch()``: a forward pass with no requests, run by an idle DP
 rank while its peers run (a MoE model's collectives wait for the peers' step)."""
+IDLE_CALLBACKS = "_notify_idle_state_callbacks"
+"""``EngineCoreProc._notify_idle_state_callbacks()`` (0.17.0+): ``_process_input_queue`` runs it
+while the loop has no work. It runs what waited for the in-flight requests to finish: a
+``pause_scheduler(mode="wait")``'s completion and a sleep's executor work (level 1+: the
+weights offloaded), which may take long; requests the input thread queues meanwhile wait
+behind it. Runs the callbacks of ``EngineCore._idle_state_callbacks``."""
+IDLE_CALLBACK_LIST = "_idle_state_callbacks"
+"""``EngineCore._idle_state_callbacks`` (0.17.0+): the callbacks :data:`IDLE_CALLBACKS`
+runs (empty on almost every call)."""
 ENGINE_ABORT = "abort_requests"
 """``EngineCore.abort_requests(request_ids)``: every abort of a client's request goes through
 it, between steps (the ABORT request, through ``_handle_client_request``) and, from 0.13.0,

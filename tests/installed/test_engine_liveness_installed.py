@@ -124,6 +124,26 @@ record.loop.phase = record.loop.phase._replace(since=record.loop.phase.since - 1
 queued = ping(7)["result"]["progress"]
 engine.input_queue.get_nowait()  # the busy loop takes it
 
+# A pause or a sleep that waited for in-flight requests runs its work (a sleep: the
+# executor offloads the weights) from the idle loop's callbacks; a request queued meanwhile
+# waits behind it, as behind a utility call, not in a loop that stopped taking input.
+def offload(engine_):
+    thread = threading.Thread(
+        target=engine.input_queue.put_nowait, args=((T.ADD, "r2"),), name="in")
+    thread.start(); thread.join()
+    record.queued_since -= 100.0
+    during["idle_callbacks"] = ping(12)["result"]
+record.loop.phase = record.loop.phase._replace(since=record.loop.phase.since - 100.0)
+engine._idle_state_callbacks = [offload]
+if hasattr(core.EngineCoreProc, "_notify_idle_state_callbacks"):
+    engine._notify_idle_state_callbacks()
+    engine.input_queue.get_nowait()  # the busy loop takes it
+idle_callbacks = {
+    "loop": during["idle_callbacks"]["loop"],
+    "queued_s": during["idle_callbacks"]["progress"]["queued_s"],
+    "after": ping(13)["result"]["loop"]["state"],
+} if "idle_callbacks" in during else None
+
 # A DP rank waiting for its peers, on vLLM's own DPEngineCoreProc and ParallelConfig: the
 # all-reduce of its DP state runs with torch's collective made to wait (a peer's step); a
 # ping meanwhile. Adopted on this thread, as its busy loop would be.
@@ -156,6 +176,7 @@ print(json.dumps({
     "livelock": livelock,
     "queued": queued,
     "aborts": aborts,
+    "idle_callbacks": idle_callbacks,
     "collectives": collectives,
     "global_unfinished": global_unfinished,
     "sync": during["sync"]["result"]["loop"],
@@ -212,6 +233,10 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
     # A client's abort inside a step and one between steps: not progress.
     assert out["aborts"]["left"] == ["w"], out
     assert out["aborts"]["stalled_s"] >= 99 and out["aborts"]["empty_steps"] == 2, out
+    # A pause's or sleep's deferred work run by the idle loop: a utility call.
+    idle = out["idle_callbacks"]
+    assert idle["loop"]["state"] == "utility" and idle["loop"]["detail"] == "idle callbacks", out
+    assert idle["queued_s"] == 0 and idle["after"] == "idle", out
     # A request left in the input queue while the loop idles: time without progress.
     assert out["queued"]["queued_s"] >= 49 and out["queued"]["stalled_s"] >= 49, out
     # A DP rank inside the all-reduce or a dummy batch says so (judged by the step bound).
@@ -229,6 +254,7 @@ def test_both_ends_on_the_real_classes(version: str, vllm_venv) -> None:
         "EngineCore.execute_dummy_batch",
         "EngineCore.mmcache_fix_ping",
         "EngineCoreProc._handle_client_request",
+        "EngineCoreProc._notify_idle_state_callbacks",
         "EngineCoreProc._process_engine_step",
         "EngineCoreProc._process_input_queue",
         "ParallelConfig.has_unfinished_dp",

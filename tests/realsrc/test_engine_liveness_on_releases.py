@@ -224,3 +224,23 @@ def test_every_abort_goes_through_the_method_the_plugin_wraps(version: str) -> N
     assert text.count("FINISHED_ABORTED") == text.count(
         "finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)"
     ) + text.count("finish_requests(None, RequestStatus.FINISHED_ABORTED)"), version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_idle_loops_callbacks_run_where_the_plugin_marks_a_utility(version: str) -> None:
+    """From 0.17.0 a pause or a sleep that waits for in-flight requests leaves its work (a
+    sleep: the executor's offload) to ``EngineCoreProc._notify_idle_state_callbacks``, which
+    ``_process_input_queue`` calls while the loop has no work; the plugin marks it as a
+    utility call. It is the only place those callbacks run."""
+    classes = _classes(version)
+    proc = classes[layout.ENGINE_PROC_CLASS.cls]
+    notify = realsrc.class_method(proc, layout.IDLE_CALLBACKS)
+    text = ast.unparse(realsrc.parse_release_file(version, CORE))
+    if notify is None:
+        assert layout.IDLE_CALLBACK_LIST not in text, version
+        assert tuple(int(p) for p in version.split(".")[:2]) < (0, 17), version
+        return
+    loop = realsrc.class_method(proc, layout.BUSY_LOOP_INPUT)
+    assert loop is not None and _calls_self(loop, layout.IDLE_CALLBACKS), version
+    assert f"self.{layout.IDLE_CALLBACK_LIST}.pop()" in ast.unparse(notify), version
+    assert text.count(f"{layout.IDLE_CALLBACK_LIST}.pop(") == 1, version

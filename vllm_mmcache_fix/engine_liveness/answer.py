@@ -53,6 +53,8 @@ from ..vllm_layout import (
     ENGINE_INPUT_QUEUE,
     ENGINE_PING_METHOD,
     ENGINE_PROC_CLASS,
+    IDLE_CALLBACK_LIST,
+    IDLE_CALLBACKS,
     PARALLEL_CONFIG,
     REQUEST_TYPE_ABORT,
     REQUEST_TYPE_ADD,
@@ -83,6 +85,8 @@ from .snapshot import DETAIL_AFTER_S, KEY_DETAILS, engine_details
 
 PATCH_ID = ANSWER_ID
 ENGINE_ATTR = "_mmcache_fix_liveness"
+IDLE_CALLBACKS_DETAIL = "idle callbacks"
+"""The loop state's detail while vLLM runs what a pause or a sleep left for the idle loop."""
 """Set on each adopted engine (through the registry, so revert removes it)."""
 
 Counts = Callable[[], "dict[str, int]"]
@@ -273,6 +277,11 @@ class EngineLivenessAnswer(Fix):
         for attr, make in wrappers:
             if registry.wrap(PATCH_ID, proc, attr, functools.partial(make, self)):
                 self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{attr}")
+        # What a pause or a sleep left for the idle loop (0.17.0+): judged as a utility call.
+        if callable(_own(proc, IDLE_CALLBACKS)):
+            make = functools.partial(make_idle_callbacks, self)
+            if registry.wrap(PATCH_ID, proc, IDLE_CALLBACKS, make):
+                self.targets.append(f"{proc.__module__}.{proc.__qualname__}.{IDLE_CALLBACKS}")
         # A client's aborts, between steps or inside one: not progress.
         if callable(_own(core, ENGINE_ABORT)):
             if registry.wrap(PATCH_ID, core, ENGINE_ABORT, functools.partial(make_aborts, self)):
@@ -688,6 +697,26 @@ def make_aborts(fix: EngineLivenessAnswer, original: Any) -> Any:
         return result
 
     return abort_requests
+
+
+def make_idle_callbacks(fix: EngineLivenessAnswer, original: Any) -> Any:
+    """``EngineCoreProc._notify_idle_state_callbacks``: when callbacks wait (a pause's or a
+    sleep's deferred work), the loop is in a utility call named ``idle callbacks`` meanwhile:
+    a request queued behind it is not a loop that stopped taking input, and its time does
+    not count against progress. vLLM's call is outside the guarded parts."""
+
+    def _notify_idle_state_callbacks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get(IDLE_CALLBACK_LIST):
+            return original(self, *args, **kwargs)
+        token = fix.enter(self, UTILITY, IDLE_CALLBACKS_DETAIL)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                fix.after_request(token, token[0].loop.phase.since)
+                fix.leave(token)
+
+    return _notify_idle_state_callbacks
 
 
 def make_dispatch(fix: EngineLivenessAnswer, original: Any) -> Any:

@@ -95,6 +95,7 @@ ANSWER = Declaration(
                 "vllm.v1.engine.core.EngineCoreProc._process_input_queue",
                 "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
                 "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+                "vllm.v1.engine.core.EngineCoreProc._notify_idle_state_callbacks",
                 "vllm.config.ParallelConfig.has_unfinished_dp",
                 "vllm.config.ParallelConfig.sync_dp_state",
                 "vllm.v1.engine.core.EngineCore.execute_dummy_batch",
