@@ -85,9 +85,9 @@ from .snapshot import DETAIL_AFTER_S, KEY_DETAILS, engine_details
 
 PATCH_ID = ANSWER_ID
 ENGINE_ATTR = "_mmcache_fix_liveness"
+"""Set on each adopted engine (through the registry, so revert removes it)."""
 IDLE_CALLBACKS_DETAIL = "idle callbacks"
 """The loop state's detail while vLLM runs what a pause or a sleep left for the idle loop."""
-"""Set on each adopted engine (through the registry, so revert removes it)."""
 
 Counts = Callable[[], "dict[str, int]"]
 
@@ -668,14 +668,16 @@ def make_step(fix: EngineLivenessAnswer, original: Any) -> Any:
     return _process_engine_step_abort_stuck
 
 
-def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: bool) -> Any:
-    """A DP rank's wait for its peers: the all-reduce (``ParallelConfig``'s static method,
-    called every few turns, on the busy loop's thread) or a dummy batch (``method``: the
-    engine is its first argument). The loop's state says so while it lasts, and its time
-    does not count against progress after it. vLLM's call is outside the guarded parts."""
+def make_phase(
+    fix: EngineLivenessAnswer, state: str, detail: str, original: Any, method: bool
+) -> Any:
+    """vLLM's call ``original`` as the busy loop's ``state`` (``detail``) while it lasts; its
+    time does not count against progress after it. ``method``: the engine is its first
+    argument (else the engine whose busy loop runs on this thread). vLLM's call is outside
+    the guarded parts."""
 
-    def wait_for_peers(*args: Any, **kwargs: Any) -> Any:
-        token = fix.enter(args[0] if method and args else None, SYNC, detail)
+    def in_phase(*args: Any, **kwargs: Any) -> Any:
+        token = fix.enter(args[0] if method and args else None, state, detail)
         try:
             return original(*args, **kwargs)
         finally:
@@ -683,7 +685,14 @@ def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: boo
                 fix.after_request(token, token[0].loop.phase.since)
                 fix.leave(token)
 
-    return wait_for_peers
+    return in_phase
+
+
+def make_sync(fix: EngineLivenessAnswer, detail: str, original: Any, method: bool) -> Any:
+    """A DP rank's wait for its peers: the all-reduce (``ParallelConfig``'s static method,
+    called every few turns, on the busy loop's thread) or a dummy batch (``method``: the
+    engine is its first argument), as a ``sync`` phase."""
+    return make_phase(fix, SYNC, detail, original, method)
 
 
 def make_aborts(fix: EngineLivenessAnswer, original: Any) -> Any:
@@ -703,18 +712,13 @@ def make_idle_callbacks(fix: EngineLivenessAnswer, original: Any) -> Any:
     """``EngineCoreProc._notify_idle_state_callbacks``: when callbacks wait (a pause's or a
     sleep's deferred work), the loop is in a utility call named ``idle callbacks`` meanwhile:
     a request queued behind it is not a loop that stopped taking input, and its time does
-    not count against progress. vLLM's call is outside the guarded parts."""
+    not count against progress. With no callback waiting, vLLM's call alone."""
+    in_utility = make_phase(fix, UTILITY, IDLE_CALLBACKS_DETAIL, original, method=True)
 
     def _notify_idle_state_callbacks(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.__dict__.get(IDLE_CALLBACK_LIST):
             return original(self, *args, **kwargs)
-        token = fix.enter(self, UTILITY, IDLE_CALLBACKS_DETAIL)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if token is not None:
-                fix.after_request(token, token[0].loop.phase.since)
-                fix.leave(token)
+        return in_utility(self, *args, **kwargs)
 
     return _notify_idle_state_callbacks
 
