@@ -47,18 +47,33 @@ def lookup_and_merge(
     return cached, mm_kwargs
 
 
-def sender_class() -> type:
-    """vLLM's LRU sender cache: ``LruKeyReplicatedSenderCache`` (0.31+,
-    ``vllm/multimodal/cache/lru.py``), ``MultiModalProcessorSenderCache`` before."""
-    import vllm.multimodal.cache as mm_cache
-
+def _cache_module() -> Any:
+    """Where vLLM's LRU sender and receiver caches are defined: ``vllm/multimodal/cache/lru.py``
+    (0.31+), ``vllm/multimodal/cache.py`` before."""
     try:  # 0.31+
         import vllm.multimodal.cache.lru as mm_lru
+
+        return mm_lru
     except ImportError:
-        mm_lru = None
-    mod = mm_lru or mm_cache
+        import vllm.multimodal.cache as mm_cache
+
+        return mm_cache
+
+
+def sender_class() -> type:
+    """vLLM's LRU sender cache: ``LruKeyReplicatedSenderCache`` (0.31+),
+    ``MultiModalProcessorSenderCache`` before."""
+    mod = _cache_module()
     cls: type | None = getattr(mod, "LruKeyReplicatedSenderCache", None)
     return cls or mod.MultiModalProcessorSenderCache
+
+
+def receiver_class() -> type:
+    """vLLM's LRU receiver cache (EngineCore's): ``LruKeyReplicatedReceiverCache`` (0.31+),
+    ``MultiModalReceiverCache`` before."""
+    mod = _cache_module()
+    cls: type | None = getattr(mod, "LruKeyReplicatedReceiverCache", None)
+    return cls or mod.MultiModalReceiverCache
 
 
 def cache_config(capacity_gb: float) -> Any:

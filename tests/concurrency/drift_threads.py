@@ -37,18 +37,12 @@ from typing import Any
 
 import torch
 import vllm
-import vllm.multimodal.cache as mm_cache
-
-try:  # 0.31+
-    import vllm.multimodal.cache.lru as mm_lru
-except ImportError:
-    mm_lru = None
 import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.async_llm  # noqa: F401  (patched: generate)
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from drift_threads_mutants import unlocked_registration  # (this file's folder)
 
-from harness.inside_vllm.mm_merge import merge_images
+from harness.inside_vllm.mm_merge import cache_config, merge_images, receiver_class, sender_class
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import journal, processor, sender
 from vllm_mmcache_fix.lru_eviction import cache as fixed_cache
@@ -112,20 +106,9 @@ def run_phase(seconds: float, mutant: str | None, seed: int, in_flight: int) -> 
         owner, name, replacement = MUTANTS[mutant]
         setattr(owner, name, replacement)
     status = drift.install()
-    mod = mm_lru or mm_cache
-    sender_cls = (
-        getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
-    )
-    receiver_cls = (
-        getattr(mod, "LruKeyReplicatedReceiverCache", None) or mod.MultiModalReceiverCache
-    )
-    cfg = types.SimpleNamespace(
-        get_multimodal_config=lambda: types.SimpleNamespace(
-            mm_processor_cache_gb=(CAPACITY + 0.5) * ITEM / 2**30
-        )
-    )
-    p0 = sender_cls(cfg)
-    p1 = receiver_cls(cfg)
+    cfg = cache_config((CAPACITY + 0.5) * ITEM / 2**30)
+    p0 = sender_class()(cfg)
+    p1 = receiver_class()(cfg)
     # Both caches as a server with the plugin has them (the fixed LRU class in the API
     # server and in EngineCore): EngineCore's cache on vLLM <= 0.23 gets ghost keys when
     # an item sent as cached is missing (its ``touch`` adds the key, the lookup then

@@ -20,31 +20,20 @@ from typing import Any
 
 import torch
 import vllm
-import vllm.multimodal.cache as mm_cache
-
-try:  # 0.31+
-    import vllm.multimodal.cache.lru as mm_lru
-except ImportError:
-    mm_lru = None
 import vllm.multimodal.processing as mm_processing
 import vllm.v1.engine.input_processor  # noqa: F401  (patched: process_inputs)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from harness.inside_vllm.mm_merge import merge_images
+from harness.inside_vllm.mm_merge import cache_config, merge_images, receiver_class, sender_class
 from vllm_mmcache_fix import drift_guard as drift
 from vllm_mmcache_fix.drift_guard import processor
 
 ITEM = 10_000
 
 status = drift.install()
-mod = mm_lru or mm_cache
-sender_cls = getattr(mod, "LruKeyReplicatedSenderCache", None) or mod.MultiModalProcessorSenderCache
-receiver_cls = getattr(mod, "LruKeyReplicatedReceiverCache", None) or mod.MultiModalReceiverCache
-cfg = types.SimpleNamespace(
-    get_multimodal_config=lambda: types.SimpleNamespace(mm_processor_cache_gb=8.5 * ITEM / 2**30)
-)
-p0, p1 = sender_cls(cfg), receiver_cls(cfg)
+cfg = cache_config(8.5 * ITEM / 2**30)
+p0, p1 = sender_class()(cfg), receiver_class()(cfg)
 
 
 def render(hashes: list[str]) -> dict[str, Any]:
