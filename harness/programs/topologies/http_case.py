@@ -28,6 +28,7 @@ from harness.lock import ServerLock
 from harness.logscan import log_markers, supported_tasks
 from harness.payloads import (
     SHORT_TEXT,
+    chat_payload,
     choose_word_count,
     image_part,
     make_png,
@@ -96,6 +97,20 @@ def _detail(reply: Reply) -> str:
     if '"embedding"' in reply.body:
         return "ok: embedding"
     return _short_body(reply.body)[:200]
+
+
+def warm_up(base_url: str, pooling: bool, timeout: float) -> dict[str, Any]:
+    """One text-only request, so that the replay's timeouts measure the cache and not a
+    cold server's first compile; touches no multimodal cache. Its status and latency."""
+    if pooling:
+        route, payload = "/v1/embeddings", embeddings_payload(SHORT_TEXT, None)
+    else:
+        route, payload = "/v1/chat/completions", chat_payload(SHORT_TEXT, None)
+    reply = http_post(base_url + route, payload, timeout)
+    return {
+        "status": "timeout" if reply.timed_out else reply.status,
+        "latency_s": round(reply.latency_s, 3),
+    }
 
 
 def replay(
@@ -190,6 +205,9 @@ class HttpCaseOptions:
     request_timeout: float = 20.0
     """Per-request timeout (s)."""
     startup_timeout: float = 300.0
+    warmup_timeout: float = 300.0
+    """The text-only request sent before the replay (a cold server compiles kernels then:
+    vLLM's tensor-parallel embedding is ``torch.compile``d, tens of seconds on two cores)."""
     hang_watch_s: float = 25.0
     """How long ``/health`` is watched while the engine stays stuck."""
     pooling_requests: int = 1000
@@ -221,6 +239,7 @@ def run_http_case(
         rec["startup_s"] = round(server.wait_ready(o.startup_timeout), 1)
         rec["started"] = True
         rec["supported_tasks"] = supported_tasks(log_path)
+        rec["warmup"] = warm_up(server.base_url, shape.entry == POOLING, o.warmup_timeout)
         before = observe.snapshot(root, log_path)
         with HealthPoller(
             server.base_url, interval=HEALTH_INTERVAL_S, timeout=HEALTH_CLIENT_TIMEOUT_S
