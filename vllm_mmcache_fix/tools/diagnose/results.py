@@ -40,8 +40,15 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+class _Record:
+    """A result whose ``--json`` form is its fields (:func:`_plain`)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
 @dataclass
-class ThreadReport:
+class ThreadReport(_Record):
     """What one thread did during the interval."""
 
     tid: int
@@ -82,12 +89,9 @@ class ThreadReport:
     def label(self) -> str:
         return self.python_name or self.name
 
-    def as_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
 
 @dataclass
-class StackCheck:
+class StackCheck(_Record):
     """The py-spy part of one process's diagnosis."""
 
     status: str
@@ -97,12 +101,9 @@ class StackCheck:
     text: str | None = None
     """The last (or the matching) dump, verbatim."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
 
 @dataclass
-class ProcessReport:
+class ProcessReport(_Record):
     pid: int
     ppid: int
     role: str
@@ -120,12 +121,9 @@ class ProcessReport:
     """Which of vLLM's processes: ``EngineCore``, ``Worker``, ``APIServer``,
     ``DPCoordinator`` or ``other`` (rules.PROCESS_KINDS)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
 
 @dataclass
-class Diagnosis:
+class Diagnosis(_Record):
     pid: int
     interval: float
     """Seconds actually sampled."""
