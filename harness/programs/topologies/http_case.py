@@ -2,7 +2,8 @@
 
 The server is :class:`harness.server.Server` (its process group, the server lock), started
 with the shape's arguments; ``python -m vllm.entrypoints.openai.api_server`` gets that
-module's command line instead of ``vllm serve``. While ``/health`` is polled every half
+module's command line instead of ``vllm serve``. One text-only request warms it up (its
+first compile is not the replay's). While ``/health`` is polled every half
 second, the incident sequence of :mod:`harness.programs.incident` is sent (a long prompt with image
 0 rejected after the image was cached, image 0 again, new images until the cache
 evicts); a pooling server gets the same sequence through ``/v1/embeddings`` and then a
