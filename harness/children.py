@@ -100,12 +100,13 @@ class Children:
         self.procs: list[subprocess.Popen[str]] = []
         self.extra_pids: list[int] = []
 
-    def start(self, code: str, *args: str) -> subprocess.Popen[str]:
+    def start(self, code: str, *args: str, python: str = sys.executable) -> subprocess.Popen[str]:
+        """``python -c code args`` (this interpreter unless ``python`` says another)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
+            [python, "-c", textwrap.dedent(code), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -138,9 +139,9 @@ def read_line(proc: subprocess.Popen[str], timeout: float = LINE_TIMEOUT) -> str
     return line.strip()
 
 
-def start_spinner(children: Children) -> subprocess.Popen[str]:
-    """The real 0.23.0 cache hang, running in a child."""
-    proc = children.start(SPINNER)
+def start_spinner(children: Children, python: str = sys.executable) -> subprocess.Popen[str]:
+    """The real 0.23.0 cache hang, running in a child (under ``python``: cachetools there)."""
+    proc = children.start(SPINNER, python=python)
     assert read_line(proc) == "spinning"
     time.sleep(0.3)  # let it reach the ghost
     assert proc.poll() is None

@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import realsrc
+from harness import pythons, realsrc
 from harness.children import (
     PARENT,
     SPINNER,
@@ -216,3 +217,44 @@ def test_cli_exit_codes(real_sources: Path, children: Children) -> None:
     done = diagnose_cli("--pid", str(pid))
     assert done.returncode == EXIT_ERROR
     assert f"no process with PID {pid}" in done.stderr
+
+
+OLDER_PYTHON = "3.10"
+"""A server's Python where py-spy, without pausing the process, names each Python thread by
+its ``pthread_t`` and not by the OS's thread id (every Python before 3.11; 3.9 gives no thread
+name either), and the oldest that vLLM 0.23.0 runs on; a venv of that Python with the unit
+tier's requirements (cachetools) runs the release's cache."""
+
+
+@needs_py_spy
+def test_the_hang_under_a_python_older_than_311_is_found_in_the_cache(
+    real_sources: Path, children: Children
+) -> None:
+    """A vLLM on Python 3.10 (or 3.9) froze in the cache: its spinning thread's stack is read
+    (py-spy pauses the process for one dump), the verdict is the cache's. Without that dump
+    the thread had no stack: ``spinning_elsewhere`` (13), "not the cache"."""
+    venv = pythons.venv_for(OLDER_PYTHON, pythons.ensure_python(OLDER_PYTHON))
+    proc = start_spinner(children, python=str(venv / "bin" / "python"))
+    d = _sampled(proc.pid, True, C.SPINNING_IN_MM_CACHE)
+    assert proc.poll() is None, "the cache loop ended: not the real hang"
+    report = only(d, proc.pid)
+    assert d.classification is C.SPINNING_IN_MM_CACHE, render(d)
+    assert d.exit_code == EXIT_CODES[C.SPINNING_IN_MM_CACHE]
+    hot = hot_thread(report)
+    assert hot.in_mm_cache is True and hot.stack is not None
+    assert any("popitem (" in f for f in hot.stack)  # 3.10: no class in the name
+    assert hot.python_name == "process_input_sockets"
+    assert report.stack_check is not None and report.stack_check.paused
+    assert "paused for one dump" in d.py_spy
+
+
+@needs_py_spy
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the tier's Python is older than 3.11")
+def test_a_python_311_server_is_never_paused(real_sources: Path, children: Children) -> None:
+    """From Python 3.11 py-spy reads the thread ids without stopping the process: no pause."""
+    proc = start_spinner(children)
+    d = _sampled(proc.pid, True, C.SPINNING_IN_MM_CACHE)
+    assert d.classification is C.SPINNING_IN_MM_CACHE, render(d)
+    report = only(d, proc.pid)
+    assert report.stack_check is not None and not report.stack_check.paused
+    assert "paused" not in d.py_spy

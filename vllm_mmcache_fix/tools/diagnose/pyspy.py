@@ -9,7 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +82,11 @@ PTRACE_DENIED = (
 )
 
 
-def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str, bool]:
-    """(dump text or None, error, whether trying again is pointless)."""
-    cmd = [exe, "dump", "--nonblocking", "--full-filenames", "--pid", str(pid)]
+def _run_py_spy(exe: str, pid: int, pause: bool = False) -> tuple[str | None, str, bool]:
+    """(dump text or None, error, whether trying again is pointless). ``pause``: let py-spy
+    stop the process while it reads it (milliseconds), as it does by default."""
+    cmd = [exe, "dump", *(() if pause else ("--nonblocking",)), "--full-filenames"]
+    cmd += ["--pid", str(pid)]
     try:
         done = subprocess.run(
             cmd,
@@ -107,6 +109,36 @@ def _run_py_spy(exe: str, pid: int) -> tuple[str | None, str, bool]:
     return done.stdout, "", False
 
 
+def _unmapped(threads: Sequence[_DumpThread]) -> bool:
+    """A dump that names no thread by the OS's thread id: py-spy without pausing the process
+    gives the ``pthread_t`` of each Python thread below Python 3.11 (3.10: ``Thread
+    0x7F32A8833B80 (active)``), and on 3.9 no thread names either."""
+    return bool(threads) and all(d.tid is None for d in threads)
+
+
+def _nameless(threads: Sequence[_DumpThread]) -> bool:
+    return bool(threads) and all(d.name is None for d in threads)
+
+
+def _dump(
+    exe: str, pid: int, lacking: Callable[[Sequence[_DumpThread]], bool]
+) -> tuple[str | None, list[_DumpThread], str, bool, bool]:
+    """One dump without pausing the process; once more pausing it (milliseconds) when the
+    first one ``lacking`` what the check needs. (text or None, its threads, error, whether
+    trying again is pointless, whether the process was paused)."""
+    text, error, fatal = _run_py_spy(exe, pid)
+    if text is None:
+        return None, [], error, fatal, False
+    threads = parse_py_spy_dump(text)
+    if lacking(threads):
+        again, _, _ = _run_py_spy(exe, pid, pause=True)
+        if again is not None:
+            paused = parse_py_spy_dump(again)
+            if paused and not lacking(paused):
+                return again, paused, "", False, True
+    return text, threads, "", False, False
+
+
 def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCheck:
     """Dump ``pid`` until every spinning Python thread is seen in the cache loop (or give up).
 
@@ -119,7 +151,7 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
     deadline = time.monotonic() + PY_SPY_BUDGET
     while check.dumps < PY_SPY_MAX_DUMPS and time.monotonic() < deadline:
         check.dumps += 1
-        text, error, fatal = _run_py_spy(exe, pid)
+        text, dump, error, fatal, paused = _dump(exe, pid, _unmapped)
         if text is None:
             if check.status != "checked":
                 check.detail = error
@@ -129,7 +161,8 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
         check.status = "checked"
         check.detail = ""
         check.text = text
-        seen = {d.tid: d for d in parse_py_spy_dump(text) if d.tid is not None}
+        check.paused = check.paused or paused
+        seen = {d.tid: d for d in dump if d.tid is not None}
         for report in threads:
             dumped = seen.get(report.tid)
             if dumped is not None and dumped.name:
@@ -166,10 +199,11 @@ def check_engine_threads(exe: str, pid: int) -> tuple[bool | None, StackCheck]:
     check = StackCheck(status="failed")
     for _ in range(2):
         check.dumps += 1
-        text, error, fatal = _run_py_spy(exe, pid)
+        text, dump, error, fatal, paused = _dump(exe, pid, _nameless)
         if text is not None:
             check.status, check.detail, check.text = "checked", "", text
-            threads = [(d.name, [f for f, _, _ in d.frames]) for d in parse_py_spy_dump(text)]
+            check.paused = paused
+            threads = [(d.name, [f for f, _, _ in d.frames]) for d in dump]
             return input_thread_gone(threads), check
         check.detail = error
         if fatal:

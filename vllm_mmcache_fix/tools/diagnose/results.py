@@ -100,6 +100,9 @@ class StackCheck(_Record):
     dumps: int = 0
     text: str | None = None
     """The last (or the matching) dump, verbatim."""
+    paused: bool = False
+    """A dump paused the process for its milliseconds: the server's Python is older than 3.11,
+    where py-spy can tell which OS thread a Python thread is only that way."""
 
 
 @dataclass

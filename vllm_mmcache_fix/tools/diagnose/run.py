@@ -68,6 +68,7 @@ def diagnose(
     if dumped and not any(t.spinning for r in reports for t in r.threads):
         # (not "not needed": the verdict may rest on that dump)
         py_spy = f"{dumped} dump --nonblocking (EngineCore's threads: is its input thread alive?)"
+        py_spy += _paused(reports)
     for report in reports:
         if report.classification is not C.EXITED:
             checked = report.stack_check is not None and report.stack_check.status == "checked"
@@ -341,8 +342,21 @@ def _check_hot_stacks(reports: Sequence[ProcessReport], use_py_spy: bool, proc: 
     for report in hot:
         report.stack_check = check_stacks(exe, report.pid, report.threads)
     failed = [str(r.pid) for r in hot if r.stack_check and r.stack_check.status == "failed"]
-    return f"{exe} dump --nonblocking" + (
-        f" (failed for PID {', '.join(failed)})" if failed else ""
+    return (
+        f"{exe} dump --nonblocking"
+        + (f" (failed for PID {', '.join(failed)})" if failed else "")
+        + _paused(hot)
+    )
+
+
+def _paused(reports: Sequence[ProcessReport]) -> str:
+    """What the summary of py-spy says of the dumps that paused a process."""
+    pids = [str(r.pid) for r in reports if r.stack_check and r.stack_check.paused]
+    if not pids:
+        return ""
+    return (
+        f"; PID {', '.join(pids)} paused for one dump of milliseconds (Python < 3.11: "
+        "py-spy tells its threads apart only so)"
     )
 
 
