@@ -226,15 +226,21 @@ name either), and the oldest that vLLM 0.23.0 runs on; a venv of that Python wit
 tier's requirements (cachetools) runs the release's cache."""
 
 
+@pytest.fixture(scope="module")
+def older_python() -> str:
+    """That venv's interpreter (built before the test's time limit starts, when missing)."""
+    venv = pythons.venv_for(OLDER_PYTHON, pythons.ensure_python(OLDER_PYTHON))
+    return str(venv / "bin" / "python")
+
+
 @needs_py_spy
 def test_the_hang_under_a_python_older_than_311_is_found_in_the_cache(
-    real_sources: Path, children: Children
+    real_sources: Path, children: Children, older_python: str
 ) -> None:
     """A vLLM on Python 3.10 (or 3.9) froze in the cache: its spinning thread's stack is read
     (py-spy pauses the process for one dump), the verdict is the cache's. Without that dump
     the thread had no stack: ``spinning_elsewhere`` (13), "not the cache"."""
-    venv = pythons.venv_for(OLDER_PYTHON, pythons.ensure_python(OLDER_PYTHON))
-    proc = start_spinner(children, python=str(venv / "bin" / "python"))
+    proc = start_spinner(children, python=older_python)
     d = _sampled(proc.pid, True, C.SPINNING_IN_MM_CACHE)
     assert proc.poll() is None, "the cache loop ended: not the real hang"
     report = only(d, proc.pid)
