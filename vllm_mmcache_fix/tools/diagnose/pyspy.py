@@ -121,12 +121,15 @@ def _nameless(threads: Sequence[_DumpThread]) -> bool:
 
 
 def _dump(
-    exe: str, pid: int, lacking: Callable[[Sequence[_DumpThread]], bool]
+    exe: str, pid: int, lacking: Callable[[Sequence[_DumpThread]], bool], pause: bool = False
 ) -> tuple[str | None, list[_DumpThread], str, bool, bool]:
     """One dump without pausing the process; once more pausing it (milliseconds) when the
-    first one ``lacking`` what the check needs. (text or None, its threads, error, whether
-    trying again is pointless, whether the process was paused)."""
-    text, error, fatal = _run_py_spy(exe, pid)
+    first one ``lacking`` what the check needs (``pause``: known to lack it, the paused one
+    only). (text or None, its threads, error, whether trying again is pointless, whether the
+    process was paused)."""
+    text, error, fatal = _run_py_spy(exe, pid, pause=pause)
+    if text is not None and pause:
+        return text, parse_py_spy_dump(text), "", False, True
     if text is None:
         return None, [], error, fatal, False
     threads = parse_py_spy_dump(text)
@@ -151,7 +154,8 @@ def check_stacks(exe: str, pid: int, threads: Sequence[ThreadReport]) -> StackCh
     deadline = time.monotonic() + PY_SPY_BUDGET
     while check.dumps < PY_SPY_MAX_DUMPS and time.monotonic() < deadline:
         check.dumps += 1
-        text, dump, error, fatal, paused = _dump(exe, pid, _unmapped)
+        # Once a dump had to pause the process, the next ones go straight to pausing it.
+        text, dump, error, fatal, paused = _dump(exe, pid, _unmapped, pause=check.paused)
         if text is None:
             if check.status != "checked":
                 check.detail = error

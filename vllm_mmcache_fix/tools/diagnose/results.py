@@ -126,7 +126,7 @@ class ProcessReport(_Record):
 
 
 @dataclass
-class Diagnosis(_Record):
+class Diagnosis:
     pid: int
     interval: float
     """Seconds actually sampled."""
