@@ -3,7 +3,7 @@
 ``scripts/run-tests`` runs each tier with ``$MMCACHE_HARNESS_OUTCOMES`` set (the pytest plugin
 :mod:`harness.outcomes` writes every test's outcome there) and then::
 
-    python -m harness skip-check --lane main --tiers unit OUTCOMES.json
+    python -m harness skip-check --lane main --tiers unit OUTCOMES.json [MORE.json ...]
 
 which fails when a test of those tiers was skipped or deselected and no entry of
 ``tests/expected-skips.toml`` allows it, when a test module of a tier ran nothing, or when
@@ -19,7 +19,9 @@ whole. An entry of the list::
     lanes = ["py3.9", "py3.13"]             # only in these lanes (optional)
     why = "CI runs one of the two soaks per commit"   # required: why this is acceptable
 
-``--partial`` (a run with pytest arguments, e.g. ``-k``) reports without failing.
+Several files are one run split in parts (``-m realtime``, then ``-m "not realtime"``): a test
+one part deselected and another ran counts as run (:func:`merge`). ``--partial`` (a run with
+pytest arguments, e.g. ``-k``) reports without failing.
 """
 
 from __future__ import annotations
@@ -143,6 +145,23 @@ def check(
     return Verdict(not problems, lines)
 
 
+def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's outcomes from its parts: per test, the outcome of the part that ran it (a
+    part that deselected it does not count against another that ran it); skips at
+    collection once each."""
+    items: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        for item in doc.get("items", []):
+            seen = items.get(item["node"])
+            if seen is None or (seen["outcome"] == "deselected" != item["outcome"]):
+                items[item["node"]] = item
+    skips: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        for skip in doc.get("collect_skips", []):
+            skips.setdefault(skip["node"], skip)
+    return {"items": [items[n] for n in sorted(items)], "collect_skips": list(skips.values())}
+
+
 def compact(lines: list[str]) -> list[str]:
     """A chosen subset's report: what the choice left out as counts, every skip in full."""
     chosen = ("  deselected but required", "  collected nothing")
@@ -155,14 +174,16 @@ def compact(lines: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outcomes", type=Path, help="the file $MMCACHE_HARNESS_OUTCOMES named")
+    ap.add_argument(
+        "outcomes", type=Path, nargs="+", help="the file(s) $MMCACHE_HARNESS_OUTCOMES named"
+    )
     ap.add_argument("--tiers", nargs="+", required=True)
     ap.add_argument("--lane", default="main", help="main, or pyX.Y for the other Pythons")
     ap.add_argument("--expected", type=Path, default=EXPECTED_FILE)
     ap.add_argument("--partial", action="store_true", help="report only (a chosen subset ran)")
     args = ap.parse_args(argv)
     try:
-        doc = json.loads(args.outcomes.read_text())
+        doc = merge([json.loads(path.read_text()) for path in args.outcomes])
     except (OSError, ValueError) as exc:
         print(f"skip accounting: no outcomes from the run ({exc}): the tier did not run")
         return 0 if args.partial else 1

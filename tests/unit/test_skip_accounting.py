@@ -174,6 +174,41 @@ def test_the_checker_program_fails_and_partial_runs_only_report(
     assert skips.main([str(tmp_path / "none.json"), "--tiers", "unit"]) == 1
 
 
+def test_a_run_split_in_two_parts_counts_each_test_the_part_that_ran_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-m realtime`` then ``-m "not realtime"`` (scripts/run-tests' main unit lane): each part
+    alone deselects what the other runs, the two together ran every test."""
+    pytest.importorskip("tomllib")
+    parts = [
+        _run(tmp_path / name, "tests", "-m", marker)
+        for name, marker in (("first", "realtime"), ("rest", "not realtime"))
+    ]
+    root = tmp_path / "rest" / "tests"
+    allowed = _expected(tmp_path, ALLOW_SOAK + ALLOW_REST)
+    for part in parts:
+        assert not skips.check(part, ["unit"], "main", allowed, root).ok
+    merged = skips.merge(parts)
+    assert _outcomes(merged)["test_real_threads"] == "passed"
+    assert _outcomes(merged)["test_runs"] == "passed"
+    assert [s["node"] for s in merged["collect_skips"]] == ["tests/unit/test_gone.py"]
+    verdict = skips.check(merged, ["unit"], "main", allowed, root)
+    assert verdict.ok, verdict.lines
+    # The program takes the parts as files, in either order.
+    files = []
+    for n, part in enumerate(parts):
+        files.append(tmp_path / f"part{n}.json")
+        files[-1].write_text(json.dumps(part))
+    expected = tmp_path / "e.toml"
+    expected.write_text(ALLOW_SOAK + ALLOW_REST)
+    for order in (files, files[::-1]):
+        args = [*map(str, order), "--tiers", "unit", "--expected", str(expected), "--partial"]
+        assert skips.main(args) == 0
+        assert "deselected" not in capsys.readouterr().out.splitlines()[0]
+    skips.main([str(files[0]), "--tiers", "unit", "--expected", str(expected), "--partial"])
+    assert "deselected" in capsys.readouterr().out.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "entry",
     [
