@@ -370,6 +370,32 @@ def test_stalled_is_never_negative_when_read_before_the_clock() -> None:
     assert p.stalled_s(sched, 49.0) == 0.0
 
 
+def test_the_clock_is_written_before_the_work_that_starts_it() -> None:
+    # The input thread reads ``work`` then ``since`` without a lock. Were ``work`` written
+    # first, a reader between the two writes would see the work with an idle engine's old
+    # clock: its hours of idling as seconds without progress. (CPython with the GIL checks
+    # for a thread switch at neither write; an interpreter that does, or runs without the
+    # GIL, would show it.)
+    class Recorded(Progress):
+        def __setattr__(self, name: str, value: Any) -> None:
+            writes.append(name)
+            super().__setattr__(name, value)
+
+    writes: list[str] = []
+    sched = Scheduler()
+    sched.add(Request("a"))
+    for start_the_clock in ("added", "after_step"):
+        p = Recorded()
+        p.usable = True
+        writes.clear()
+        if start_the_clock == "added":
+            p.added(3600.0)
+        else:
+            p.after_step(sched, 3600.0)
+        assert p.work and p.since == 3600.0
+        assert writes.index("since") < writes.index("work"), (start_the_clock, writes)
+
+
 def test_an_engine_whose_check_turned_off_has_no_seconds_without_progress() -> None:
     # Its last figure would stay on the gauge (and any alert on it) for the server's life.
     liveness = Liveness(10.0)

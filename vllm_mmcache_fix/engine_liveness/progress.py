@@ -68,7 +68,9 @@ class Progress:
         self.since = time.monotonic()
         """The last net progress, or when eligible work began waiting."""
         self.work = False
-        """Eligible work waited after the last step (or an add)."""
+        """Eligible work waited after the last step (or an add). Written after
+        :attr:`since` when it turns True (the input thread reads both without a lock: the
+        other order shows it an idle engine's hours as seconds without progress)."""
         self.requests = 0
         """``len(scheduler.requests)`` after the last step or add."""
         self.empty_steps = 0
@@ -101,8 +103,8 @@ class Progress:
         if held is not None:
             self.requests = held
         if not self.work:
+            self.since = now  # first: a reader that sees the work sees when it began
             self.work = True
-            self.since = now
 
     def aborted(self, now: float) -> None:
         """The remedy aborted the oldest stuck request: the clock restarts."""
@@ -164,8 +166,8 @@ class Progress:
             self.work = False
             self.since = now
         elif not self.work:
+            self.since = now  # first, as in added()
             self.work = True
-            self.since = now
         elif progressed:
             self.since = now
         else:
