@@ -99,6 +99,47 @@ def test_engines_without_caches_are_followed_by_the_name_the_heartbeat_gives() -
     assert as_map(plan(deltas, LOCAL, [dp0]))[stalls] == 0
 
 
+def test_an_age_no_longer_reported_reads_nan_not_its_last_figure() -> None:
+    # The heartbeat stopped (an internal error) or DP1 left: its last fresh age stayed on
+    # the gauge for the server's life, and an alert on the age could never fire.
+    import math
+
+    deltas = Deltas()
+    age = n.ENGINE_LAST_ANSWER_AGE
+    both = as_map(plan(deltas, LOCAL, None, {"EngineCore_DP0": 0.2, "EngineCore_DP1": 0.3}))
+    assert both[(age, (("engine", "EngineCore_DP1"),), "set")] == 0.3
+    left = as_map(plan(deltas, LOCAL, None, {"EngineCore_DP0": 0.4}))
+    assert left[(age, (("engine", "EngineCore_DP0"),), "set")] == 0.4
+    assert math.isnan(left[(age, (("engine", "EngineCore_DP1"),), "set")])
+    stopped = as_map(plan(deltas, LOCAL, None, {}))
+    assert math.isnan(stopped[(age, (("engine", "EngineCore_DP0"),), "set")])
+    # Set once: the next sync leaves the NaN as it is.
+    assert not any(m == age for m, _, _ in as_map(plan(deltas, LOCAL, None, {})))
+
+
+def test_the_liveness_gauges_of_a_stopped_heartbeat_read_nan_on_metrics() -> None:
+    prom = pytest.importorskip("prometheus_client")
+    from vllm_mmcache_fix.metrics import liveness as liveness_metrics
+
+    ages: dict[str, float] = {"EngineCore": 0.2}
+    progress: list[dict] | None = [{"engine": "EngineCore", "stalled_s": 40.0}]  # type: ignore[type-arg]
+    exporter = Exporter(
+        lambda: LOCAL, lambda: None, lambda exc: None, lambda: ages, progress=lambda: progress
+    )
+    stalled = f'{liveness_metrics.STALLED_SECONDS}{{engine="EngineCore"}}'
+    age = 'mmcache_fix_engine_last_answer_age_seconds{engine="EngineCore"}'
+    try:
+        exporter.start()
+        text = prom.generate_latest(prom.REGISTRY).decode()
+        assert f"{age} 0.2" in text and f"{stalled} 40.0" in text
+        ages, progress = {}, None  # the heartbeat stopped
+        exporter.sync()
+        text = prom.generate_latest(prom.REGISTRY).decode()
+    finally:
+        exporter.unregister()
+    assert f"{age} NaN" in text and f"{stalled} NaN" in text
+
+
 def test_the_exporter_shows_every_metric_on_the_default_registry() -> None:
     prom = pytest.importorskip("prometheus_client")
     engines = [{"protected": 1, "ghost_keys_dropped": 7}]

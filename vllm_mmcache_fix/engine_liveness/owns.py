@@ -203,7 +203,8 @@ HEALTH = Declaration(
             "gauge",
             ("engine",),
             "Seconds since the EngineCore last answered the heartbeat (about 2 s when healthy; "
-            "NaN where the check is off for it); the freshest over API servers.",
+            "NaN where the check is off for it or no longer runs); the freshest over API "
+            "servers.",
             multiprocess_mode="livemin",
         ),
     ),

@@ -16,6 +16,7 @@ interval; only :data:`MAX_FAILED_SYNCS` failures in a row stop the thread.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,19 @@ class Deltas:
 
     parts: dict[tuple[str, Labels], tuple[tuple[str, Labels], ...]] = field(default_factory=dict)
     """The entries of ``seen`` behind one summed series (one per engine), by that series."""
+
+    engines: set[tuple[str, Labels]] = field(default_factory=set)
+    """The per-engine liveness gauges (last answer's age, seconds without progress) set by
+    the last sync: one no longer reported (its engine left, or the heartbeat stopped) reads
+    NaN from then on, as an engine whose check is off does, not its last figure for the
+    server's life."""
+
+    def vanished(self, metric: str, now: set[tuple[str, Labels]]) -> list[Update]:
+        """The NaN updates of ``metric``'s engine gauges no longer reported, ``now`` those
+        that are (kept for the next sync)."""
+        before = {key for key in self.engines if key[0] == metric}
+        self.engines = (self.engines - before) | now
+        return [(m, labels, "set", math.nan) for m, labels in sorted(before - now)]
 
     def entries_of(self, metric: str, labels: Labels) -> tuple[tuple[str, Labels], ...]:
         """The entries of ``seen`` one update of ``(metric, labels)`` moved."""
@@ -129,8 +143,11 @@ def plan(
             )
             deltas.parts[(count.metric, labels)] = parts
             updates.append((count.metric, labels, "inc", rise))
+    answered: set[tuple[str, Labels]] = set()
     for engine, age in sorted((ages or {}).items()):
+        answered.add((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),)))
         updates.append((n.ENGINE_LAST_ANSWER_AGE, (("engine", engine),), "set", float(age)))
+    updates += deltas.vanished(n.ENGINE_LAST_ANSWER_AGE, answered)
     gauges: set[tuple[str, Labels]] = set()
     _cache_updates(local, "", counter, updates, gauges)
     for counts, name in zip(engines or (), names):
@@ -338,7 +355,8 @@ class Exporter:
                 if not self.started or self._stop.is_set():
                     return  # not started, or stopped (given up, switched off): no more syncs
                 local, engines, ages = self.local(), self.engines(), self.ages()
-                planned = Deltas(dict(self.deltas.seen), set(self.deltas.gauges))
+                before = self.deltas
+                planned = Deltas(dict(before.seen), set(before.gauges), engines=set(before.engines))
                 updates = plan(planned, local, engines, ages, self.declarations)
                 for metric, labels, op, amount in updates:
                     for child in self._children(metric, labels):
@@ -351,6 +369,7 @@ class Exporter:
                             self.deltas.seen[key] = planned.seen[key]
                 self.deltas.gauges = planned.gauges
                 self._sync_liveness(planned)
+                self.deltas.engines = planned.engines
                 self.failures_in_a_row = 0
         except Exception as exc:
             self._failed(exc)
@@ -358,6 +377,8 @@ class Exporter:
     def _sync_liveness(self, planned: Deltas) -> None:
         """The engine liveness metrics (``metrics.liveness``); under the sync's lock."""
         updates, histograms = liveness_metrics.plan(planned.increase, self.progress())
+        stalled = liveness_metrics.STALLED_SECONDS
+        updates += planned.vanished(stalled, {(m, lb) for m, lb, _, _ in updates if m == stalled})
         for metric, labels, op, amount in updates:
             child = self._child(metric, labels)
             if op == "inc":

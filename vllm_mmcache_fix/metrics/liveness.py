@@ -26,7 +26,7 @@ SPECS: tuple[MetricSpec, ...] = (
         ("engine",),
         "Seconds since the EngineCore last made net progress (a request finished or was "
         "aborted, or computed past its high-water mark) while eligible work waited; 0 when "
-        "idle; NaN once the engine's check is off. /health fails past "
+        "idle; NaN once the engine's check is off or no longer runs. /health fails past "
         "MMCACHE_FIX_PROGRESS_TIMEOUT.",
         multiprocess_mode="livemax",
     ),
