@@ -179,9 +179,10 @@ def test_silence_is_judged_on_two_pings_past_the_timeout_twice_and_clears_on_an_
         beat = Heartbeat(client, TIMEOUT, clock=lambda: 100.0)
         seen: dict[str, Any] = {}
         beat.tick(client, 0.0, responsive=True)
+        beat.tick(client, hb.PING_INTERVAL_S, responsive=True)  # one unanswered: no silence yet
         beat.tick(client, TIMEOUT / 2 - 0.5, responsive=True)
-        seen["pings_before_half"] = len(beat.beats[0].pending)
-        beat.tick(client, TIMEOUT / 2, responsive=True)  # the confirming ping
+        seen["pings_before_half"] = len(beat.beats[0].pending)  # two wait: half a timeout
+        beat.tick(client, TIMEOUT / 2 + hb.PING_INTERVAL_S, responsive=True)  # the confirming ping
         beat.tick(client, TIMEOUT, responsive=True)
         seen["stuck_at_timeout"] = beat.verdict()
         beat.tick(client, TIMEOUT + 0.5, responsive=False)  # a late tick never judges
@@ -203,7 +204,7 @@ def test_silence_is_judged_on_two_pings_past_the_timeout_twice_and_clears_on_an_
 
     with caplog.at_level(logging.WARNING, logger="vllm.mmcache_fix"):
         seen = run(go())
-    assert seen["pings_before_half"] == 1
+    assert seen["pings_before_half"] == 2
     assert seen["stuck_at_timeout"] == [] and seen["stuck_late_tick"] == []
     assert seen["stuck_first_evaluation"] == []
     assert len(seen["stuck"]) == 1 and "EngineCore has not answered for 12.0 s" in seen["stuck"][0]
@@ -305,6 +306,36 @@ def test_one_lost_answer_is_not_a_dead_thread() -> None:
 
     stuck, pending = run(go())
     assert stuck == [] and pending <= 1
+
+
+def test_one_lost_answer_keeps_the_ping_interval_and_a_stall_is_confirmed_at_once() -> None:
+    """A reply vLLM's ROUTER dropped left one ping unanswered: the next ping waited half a
+    timeout (30 s at the default), the last answer's age and the engine's counts stood
+    still meanwhile, and an answer that found a stuck step was confirmed only then."""
+    step_bound = 90.0
+
+    async def go() -> tuple[list[int], list[bool]]:
+        client = Client()
+        beat = Heartbeat(client, 60.0, step_timeout=step_bound)
+        client.hold = True
+        beat.tick(client, 0.0, responsive=True)
+        await settle()
+        client.held.clear()  # that answer never comes
+        client.hold = False
+        client.answer = reply("step", step_bound + 1)  # the next finds a stuck step
+        sent, stuck = [], []
+        for now in range(1, 6):
+            beat.tick(client, float(now), responsive=True)
+            await settle()
+            sent.append(len(client.calls))
+            stuck.append(bool(beat.verdict()))
+        return sent, stuck
+
+    sent, stuck = run(go())
+    # t=2: the interval, with one ping unanswered; its answer finds the stall; t=3
+    # confirms it: stuck. (Before: no ping until t=30, no verdict until t=31.)
+    assert sent[:3] == [1, 2, 3], sent
+    assert stuck[:3] == [False, False, True], stuck
 
 
 def _verdicts(script: list[dict[str, Any]], step_bound: float) -> list[list[str | None]]:
@@ -575,6 +606,7 @@ def test_a_blocked_event_loop_is_not_taken_for_a_silent_engine(
     not judge them."""
     monkeypatch.setattr(hb, "TICK_S", 0.05)
     monkeypatch.setattr(hb, "MAX_LAG_S", 0.05)
+    monkeypatch.setattr(hb, "PING_INTERVAL_S", 0.1)  # the second ping before the first answer
 
     class Slow(Client):
         async def _call_utility_async(self, method: str, *args: Any, engine: Any) -> Any:

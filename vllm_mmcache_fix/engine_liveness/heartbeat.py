@@ -5,9 +5,10 @@ One asyncio task per engine client, in the client's own event loop, wakes every
 answers, :mod:`.answer`) every :data:`PING_INTERVAL_S`. ``/health`` never waits on EngineCore:
 it reads the verdict the heartbeat keeps. An engine is judged stuck only on evidence:
 
-- **silent**: two pings waiting, the older one for longer than the timeout. While a ping
-  waits, another is sent every half timeout, so one lost answer (vLLM's ROUTER drops replies
-  while a remote engine reconnects) is never taken for a dead thread, and the first answer
+- **silent**: two pings waiting, the older one for longer than the timeout. With one ping
+  waiting the next goes at the usual interval, with two every half timeout, so one lost
+  answer (vLLM's ROUTER drops replies while a remote engine reconnects) is never taken for a
+  dead thread, and the first answer
   that gets through settles every older ping and clears the verdict. EngineCore's input
   thread answers in milliseconds whatever the busy loop does, so silence means that thread is
   dead or spinning (the 0.23.0 incident; 0.11-0.13's ``Expected a cached item`` assertion
@@ -76,7 +77,7 @@ MAX_LAG_S = 1.0
 """A tick later than this saw an event loop that was blocked: no silent verdict at it."""
 MAX_IN_FLIGHT = 8
 """Pings per engine that may wait on vLLM at once (vLLM keeps one future per unanswered
-call): a silent engine is pinged every half timeout until this many wait."""
+call): a silent engine is pinged every half timeout (once two wait) until this many wait."""
 EXPIRE_TIMEOUTS = 4.0
 """A ping unanswered for this many timeouts expires: it no longer counts toward
 :data:`MAX_IN_FLIGHT` (so lost answers never stop the pings), but stays evidence of silence
@@ -309,11 +310,15 @@ class Heartbeat:
         for beat in self.beats:
             if beat.off is not None:
                 continue
-            if beat.pending:
-                due = now - beat.last_sent >= self.timeout / 2  # confirm, or get through
-            elif beat.candidate in (LOOP, NO_PROGRESS) and beat.strikes < STRIKES:
+            waiting = len(beat.pending)
+            if beat.candidate in (LOOP, NO_PROGRESS) and beat.strikes < STRIKES and waiting < 2:
                 due = True  # an answer found a stall: the next answer confirms it or clears it
+            elif waiting >= 2:
+                due = now - beat.last_sent >= self.timeout / 2  # silent: confirm, or get through
             else:
+                # One unanswered ping is no silence (a reply vLLM's ROUTER dropped): waiting
+                # half a timeout for the next left the age, the counts and a stall's
+                # confirmation that long behind.
                 due = now - beat.last_sent >= PING_INTERVAL_S
             _expire(beat, now - EXPIRE_TIMEOUTS * self.timeout)
             if due and len(beat.flying) < MAX_IN_FLIGHT:
