@@ -8,13 +8,16 @@ cache). The sender cache, ``_merge_mm_kwargs`` and the receiver cache are vLLM's
 Request 1 is admitted, request 2 (a new image) is refused (the queue is full), request 3
 sends request 2's image once the queue has room: once with rendered prompts, and (with
 admission control) once with raw prompts, whose ``process_inputs`` vLLM runs in an executor
-thread through its own ``make_async``. Prints one ``RESULT {json}`` line.
+thread through its own ``make_async``. Then (with admission control) a raw prompt's call
+cancelled, as vLLM cancels it when the client goes away, while the executor thread is still
+processing its image, and the same image again. Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import types
 from typing import Any
 
@@ -68,9 +71,17 @@ class InputProcessor:
         pass
 
 
+inside, release = threading.Event(), threading.Event()
+"""Set by a raw prompt's processing that holds after merging its images; what lets it go on."""
+
+
 def _build_raw(self: Any, request_id: str, prompt: dict, params: Any, **kwargs: Any) -> Any:
     # A raw prompt is processed (its images merged into the sender cache) inside.
-    return _build(self, request_id, render(prompt["images"]), params)
+    rendered = render(prompt["images"])
+    if prompt.get("hold"):
+        inside.set()
+        release.wait(60)  # the rest of the processor's work, while the client goes away
+    return _build(self, request_id, rendered, params)
 
 
 class RawInputProcessor(InputProcessor):
@@ -82,7 +93,8 @@ class RawInputProcessor(InputProcessor):
         from vllm.utils.async_utils import make_async
 
         # As vLLM's InputProcessor.__init__ (0.32): the call runs in an executor thread.
-        self.process_inputs_async = make_async(self.process_inputs, executor=ThreadPoolExecutor(1))
+        self.executor = ThreadPoolExecutor(1)
+        self.process_inputs_async = make_async(self.process_inputs, executor=self.executor)
 
 
 class OutputProcessor:
@@ -169,6 +181,41 @@ async def three_requests(raw: bool, images: tuple[str, str]) -> dict[str, Any]:
     }
 
 
+async def cancelled_raw(image: str) -> dict[str, Any]:
+    """A raw prompt's call cancelled while the executor thread processes its image (vLLM
+    cancels the call, the thread runs on), then the same image in a new request."""
+    engine = make_engine()
+    engine.input_processor = RawInputProcessor()
+    received.clear()
+    before = dict(drift.status()["counts"])
+    outcomes = []
+    held = {"prompt": "hi", "images": [image], "hold": True}
+    call = asyncio.create_task(engine.add_request("c1", held, SamplingParams(max_tokens=1)))
+    await asyncio.to_thread(inside.wait, 60)
+    call.cancel()
+    try:
+        await call
+        outcomes.append("added")
+    except asyncio.CancelledError:
+        outcomes.append("cancelled")
+    release.set()
+    # The executor thread ends its process_inputs (the next job on its one thread runs after).
+    await asyncio.to_thread(engine.input_processor.executor.submit(lambda: None).result, 60)
+    p0_between = sorted(p0._cache._Cache__data)
+    again = {"prompt": "hi", "images": [image]}
+    await engine.add_request("c2", again, SamplingParams(max_tokens=1))
+    outcomes.append("added")
+    after = drift.status()["counts"]
+    return {
+        "outcomes": outcomes,
+        "p0_after_cancel": p0_between,
+        "engine_core": list(received),
+        "counts": {key: after[key] - before.get(key, 0) for key in after},
+        "p0": sorted(p0._cache._Cache__data),
+        "p1": sorted(p1._cache._Cache__data),
+    }
+
+
 async def main() -> dict[str, Any]:
     admission = hasattr(AsyncLLM, "check_admission")
     return {
@@ -177,6 +224,7 @@ async def main() -> dict[str, Any]:
         "patched": sorted(status["patched"]),
         **await three_requests(False, ("a", "b")),
         "raw": await three_requests(True, ("c", "d")) if admission else None,
+        "cancelled_raw": await cancelled_raw("e") if admission else None,
     }
 
 

