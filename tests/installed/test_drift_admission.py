@@ -50,4 +50,3 @@ def test_a_request_refused_by_admission_control_is_rolled_back(version: str, vll
     assert cancelled["engine_core"] == ["ok"]  # the retry sent the image with its data
     assert cancelled["counts"]["rollbacks"] == 1 and cancelled["counts"]["commits"] == 1
     assert cancelled["p0"] == cancelled["p1"] == ["a", "b", "c", "d", "e"]
-
