@@ -8,13 +8,12 @@ it reads the verdict the heartbeat keeps. An engine is judged stuck only on evid
 - **silent**: two pings waiting, the older one for longer than the timeout. With one ping
   waiting the next goes at the usual interval, with two every half timeout, so one lost
   answer (vLLM's ROUTER drops replies while a remote engine reconnects) is never taken for a
-  dead thread, and the first answer
-  that gets through settles every older ping and clears the verdict. EngineCore's input
-  thread answers in milliseconds whatever the busy loop does, so silence means that thread is
-  dead or spinning (the 0.23.0 incident; 0.11-0.13's ``Expected a cached item`` assertion
-  ending it). This verdict is taken only at a tick that came on time: after the event loop
-  itself was blocked (a long call in the request path), answers that wait in the socket are
-  read first.
+  dead thread, and the first answer that gets through settles every older ping and clears
+  the verdict. EngineCore's input thread answers in milliseconds whatever the busy loop
+  does, so silence means that thread is dead or spinning (the 0.23.0 incident; 0.11-0.13's
+  ``Expected a cached item`` assertion ending it). This verdict is taken only at a tick
+  that came on time: after the event loop itself was blocked (a long call in the request
+  path), answers that wait in the socket are read first.
 - **no net progress**: an answer says eligible work has waited for longer than the progress
   timeout (``MMCACHE_FIX_PROGRESS_TIMEOUT``, 60 s) without net progress: no request
   finished or was aborted, none computed past its high-water mark (:mod:`.progress`). The
