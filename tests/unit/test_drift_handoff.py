@@ -10,10 +10,7 @@ from vllm_mmcache_fix.drift_guard.handoff import Handoff, staging
 
 
 def _end(key: int | None, mine: Handoff, admitted: bool = False) -> list:  # type: ignore[type-arg]
-    """What ``add_request``'s wrapper does when the call ends."""
-    journals = mine.take(close=True, admitted=admitted)
-    handoff._close(key)
-    return journals
+    return handoff.end(key, mine, admitted)
 
 
 def test_a_raw_prompts_hand_off_is_found_by_its_prompt_from_another_thread() -> None:

@@ -116,6 +116,14 @@ def _close(key: int | None) -> None:
         _by_prompt.pop(key, None)
 
 
+def end(key: int | None, handoff: Handoff, admitted: bool) -> list[Journal]:
+    """``add_request`` ended (``admitted``: it returned): the journals left to resolve; a
+    ``process_inputs`` still running learns from the hand-off how the call ended."""
+    journals = handoff.take(close=True, admitted=admitted)
+    _close(key)
+    return journals
+
+
 def _prompt_reader(orig: Callable[..., Any]) -> ArgReader | None:
     try:
         return reader(orig, "prompt", what="add_request")
@@ -149,14 +157,12 @@ def wrap_add_request(guard: Any, orig: Callable[..., Any]) -> Callable[..., Any]
             result = await orig(self, *args, **kwargs)
         except BaseException:
             _current.reset(token)
-            journals = handoff.take(close=True, admitted=False)
-            _close(key)
+            journals = end(key, handoff, admitted=False)
             with s_rollback:
                 resolve(st, journals, False, REFUSED)
             raise
         _current.reset(token)
-        journals = handoff.take(close=True, admitted=True)
-        _close(key)
+        journals = end(key, handoff, admitted=True)
         with s_commit:
             resolve(st, journals, True, "")
         return result

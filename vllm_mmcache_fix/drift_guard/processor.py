@@ -168,13 +168,15 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
         ctx = scope()
         outer = ctx.collector
         collector: list[Any] | None = None
+        prompt: Any = None
         handoff: Handoff | None = None
         with s_inputs_before:
             if st.pending.has_deferred():
                 st.pending.drain_deferred()
-            collector = []
+            prompt = prompt_arg.get(args, kwargs)
             # Found now: a raw prompt's call may end (its client gone) while this thread runs.
-            handoff = staging(prompt_arg.get(args, kwargs))
+            handoff = staging(prompt)
+            collector = []
         if collector is None:
             return orig(self, *args, **kwargs)
         ctx.collector = collector
@@ -184,7 +186,7 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
             ctx.collector = outer
             with s_inputs_failed:
                 if st.live:
-                    for record in st.pending.records_of(prompt_arg.get(args, kwargs), collector):
+                    for record in st.pending.records_of(prompt, collector):
                         if record.journal is not None:
                             st.pending.rollback(
                                 record.journal, "rejected after multimodal processing"
@@ -195,7 +197,6 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
             if st.live:
                 replay = None
                 # Admission control may still refuse the request.
-                prompt = prompt_arg.get(args, kwargs)
                 for record in st.pending.records_of(prompt, collector):
                     if record.journal is None:
                         pass
@@ -209,7 +210,7 @@ def wrap_process_inputs(guard: Any, orig: Callable[..., Any]) -> Callable[..., A
                             st.pending.rollback(record.journal, REFUSED)
                     replay = replay or record.replay
                 if st.recovery:
-                    st.attempts.note_attempt(prompt_arg.get(args, kwargs), request, replay)
+                    st.attempts.note_attempt(prompt, request, replay)
         return request
 
     return process_inputs
